@@ -1,0 +1,180 @@
+"""`DPPOConfig`: GRPOConfig plus the DPPO trust region (Qi et al., arXiv 2602.04879)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from dppo_trl.trust_region import DIVERGENCES, default_delta
+
+# vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
+VLLM_COLOCATE_MAX_LOGPROBS = 20
+# Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`).
+SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
+ANCHORS = ("behavior", "recompute")
+
+
+@dataclass
+class DPPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`DPPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the DPPO trust region.
+
+    DPPO replaces GRPO's ratio clipping with a trust region on the divergence D between the trainer policy π and the
+    behaviour policy μ that sampled the completion (the inference engine's own log-probs). Per completion token:
+    `loss = −A · stopgrad(min(π/μ, ratio_cap)) · M · log π`, where `M = 0` only for tokens that move *away* from μ
+    by more than `delta_high` (A > 0) or `delta_low` (A < 0). See `docs/theory.md`.
+
+    Defaults that differ from `GRPOConfig`:
+
+    - `vllm_importance_sampling_correction=False`: the μ anchor already carries the train–inference correction
+      (π/μ); TRL's extra correction would recompute π_old (a full forward pass) and correct twice.
+
+    GRPO's `epsilon`/`epsilon_high` ratio clip is not used by DPPO (the trust region is `delta_low`/`delta_high`).
+    """
+
+    divergence: str = field(
+        default="binary_tv",
+        metadata={
+            "help": "Divergence D of the trust region: `binary_tv` (|π−μ| of the sampled token, eq. 13), `binary_kl` "
+            "(KL of the Bernoulli pair (μ, 1−μ)‖(π, 1−π), eq. 14), `topk_tv` / `topk_kl` (TV / KL(μ‖π) over "
+            "TopK(μ) ∪ {sampled} plus one 'other' bucket, eqs. 15–16).",
+            "choices": list(DIVERGENCES),
+        },
+    )
+    delta_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "Trust-region threshold δ_low for negative-advantage tokens. `None` uses the authors' value: "
+            "0.15 for TV divergences, 0.05 for KL divergences."
+        },
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Trust-region threshold δ_high for positive-advantage tokens. `None` uses the authors' value: "
+            "0.15 for TV divergences, 0.05 for KL divergences."
+        },
+    )
+    divergence_top_k: int = field(
+        default=20,
+        metadata={
+            "help": "K for the top-K divergences: how many of μ's most likely tokens the engine reports per position. "
+            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server must run "
+            "with `--max-logprobs` ≥ K. Ignored by the binary divergences."
+        },
+    )
+    ratio_cap: float = field(
+        default=20.0,
+        metadata={
+            "help": "Safety cap C in `stopgrad(min(π/μ, C))` (eq. 11). It bounds the weight of rare tokens the engine "
+            "sampled at a much lower probability than the trainer assigns. The authors ran with the cap effectively "
+            "off (C = 10000); 20.0 follows TRL's removed DPPOTrainer. Must be finite and ≥ 1."
+        },
+    )
+    anchor: str = field(
+        default="behavior",
+        metadata={
+            "help": "What μ is. `behavior` (default): the log-probs the rollout engine reported when it sampled "
+            "(vLLM's processed log-probs, or the generating weights on the transformers path). `recompute`: the "
+            "trainer's recomputed π_old — an ablation only (the paper, §5.2, shows it collapses); it costs an "
+            "extra forward pass per generation batch.",
+            "choices": list(ANCHORS),
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's truncated importance-sampling correction π_old/μ. DPPO's μ anchor already corrects the "
+            "train–inference mismatch, so it must stay `False` with `anchor='behavior'`; with `anchor='recompute'` "
+            "it may be enabled to study the decoupled variant."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_dppo()
+        if self.delta_low is None:
+            self.delta_low = default_delta(self.divergence)
+        if self.delta_high is None:
+            self.delta_high = default_delta(self.divergence)
+
+    @property
+    def uses_top_k(self) -> bool:
+        """Whether the divergence needs μ's top-K log-probs."""
+        return self.divergence.startswith("topk_")
+
+    def _validate_dppo(self) -> None:
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence={self.divergence!r} is not supported; choose one of {list(DIVERGENCES)}.")
+        for name in ("delta_low", "delta_high"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0 (got {value}); `None` picks the authors' value.")
+        if not (math.isfinite(self.ratio_cap) and self.ratio_cap >= 1.0):
+            raise ValueError(
+                f"ratio_cap must be finite and ≥ 1 (got {self.ratio_cap}). To run with the cap effectively off as the "
+                "authors did, use a large finite value such as 1e4."
+            )
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
+        if self.uses_top_k:
+            if self.divergence_top_k < 1:
+                raise ValueError(f"divergence_top_k must be ≥ 1 for divergence={self.divergence!r}.")
+            if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
+                raise ValueError(
+                    f"divergence_top_k={self.divergence_top_k} exceeds vLLM's `max_logprobs` "
+                    f"({VLLM_COLOCATE_MAX_LOGPROBS}), which TRL's colocate engine does not raise. Use "
+                    f"divergence_top_k ≤ {VLLM_COLOCATE_MAX_LOGPROBS}, or vllm_mode='server' with `--max-logprobs`."
+                )
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is its own trust region and cannot be combined with DPPO's. Use one of "
+                f"the aggregations {list(SUPPORTED_LOSS_TYPES)} (default 'dapo'), or GRPOTrainer for "
+                f"loss_type={self.loss_type!r}."
+            )
+        if self.importance_sampling_level != "token":
+            raise ValueError(
+                "importance_sampling_level='sequence' (GSPO) is not supported: DPPO's trust region is per token. "
+                "Use importance_sampling_level='token'."
+            )
+        if self.delta is not None:
+            raise ValueError(
+                f"delta={self.delta} (GRPO's two-sided ratio clip) is not used by DPPO; the ratio is capped by "
+                "`ratio_cap` and the trust region is `delta_low`/`delta_high`. Leave `delta=None`."
+            )
+        if self.epsilon_high is not None:
+            raise ValueError(
+                "epsilon_high is GRPO's ratio clip and has no effect under DPPO. Set the DPPO thresholds "
+                "`delta_low`/`delta_high` instead."
+            )
+        if self.vllm_importance_sampling_correction and self.anchor == "behavior":
+            raise ValueError(
+                "vllm_importance_sampling_correction=True would correct the train–inference mismatch twice: DPPO's "
+                "ratio π/μ is already anchored on the engine's log-probs. Leave it False (the DPPOConfig default), or "
+                "use anchor='recompute' to study the decoupled variant."
+            )
+        if self.use_liger_kernel and not _cuda_available():
+            raise ValueError(
+                "use_liger_kernel=True applies Liger's Triton layer kernels, which need a CUDA device and fail on CPU. "
+                "Set use_liger_kernel=False. (With CUDA it only swaps RMSNorm/SwiGLU/RoPE kernels; the DPPO loss is "
+                "always computed by DPPOTrainer.)"
+            )
+        if self.top_p < 1.0 or self.top_k > 0 or (self.min_p or 0.0) > 0.0 or self.repetition_penalty != 1.0:
+            warnings.warn(
+                f"Sampling with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}, "
+                f"repetition_penalty={self.repetition_penalty} truncates or reshapes the engine's distribution, so its "
+                "log-probs μ are renormalised over the kept tokens while π is the full softmax: π/μ and |π−μ| are "
+                "biased and the trust region masks the wrong tokens. Keep top_p=1.0, top_k=0, min_p=0 and "
+                "repetition_penalty=1.0 for DPPO (see docs/theory.md).",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

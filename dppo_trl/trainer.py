@@ -1,0 +1,485 @@
+"""`DPPOTrainer`: GRPOTrainer with DPPO's divergence trust region anchored on the rollout engine's μ.
+
+How the DPPO loss rides on GRPOTrainer's own loss (no parent code is copied):
+
+GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`luspo` aggregations is
+`−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) · m`, with `r = exp(log π − old)` and `m` the off-policy mask returned by the
+`get_off_policy_mask` hook. DPPOTrainer
+
+1. sets `old` to the behaviour log-probs μ (the engine's, not a recompute) in `_generate_and_score_completions`;
+2. opens the clip (`ε_low = 1`, `ε_high = ∞`), so the term is `−r·A·m`;
+3. returns, from `get_off_policy_mask`, the detached per-token weight `m = M · min(r, C) / r` (eq. 12 mask, eq. 11 cap).
+
+The gradient is then `−A · M · min(π/μ, C) · ∇log π`, exactly eq. 11, and every other part of the parent's loss —
+the aggregation (`loss_type`), β-KL against the reference, the entropy bonus, the entropy mask, the MoE router aux
+loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own. `tests/test_loss_gradient.py` checks the
+gradient against eq. 11 through the parent's real `_compute_loss`, for each aggregation, and
+`tests/test_trl_contract.py` pins the parent internals this relies on (listed in `dppo_trl/trl_contract.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from dppo_trl.behavior import VLLMTopKCapture
+from dppo_trl.config import DPPOConfig
+from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
+from dppo_trl.trust_region import divergence, trust_region_mask
+
+logger = logging.getLogger(__name__)
+
+# μ of a valid token is clamped here before GRPOTrainer exponentiates `log π − μ`: exp(60) is finite in fp32, and the
+# weight returned by `get_off_policy_mask` is computed against the clamped value, so the product stays exact.
+_MU_FLOOR = -60.0
+# GRPOTrainer's clip metrics; with the clip opened they are always 0, so they are dropped to avoid misleading logs.
+_GRPO_CLIP_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+# Extra per-row keys DPPOTrainer adds to the generation batch (batch-major, so TRL's shuffle/split keeps them aligned).
+BEHAVIOR_LOGPS = "dppo_behavior_logps"
+BEHAVIOR_VALID = "dppo_behavior_valid"
+BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
+BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
+
+
+@dataclass
+class _ForwardCapture:
+    """What one `_get_per_token_logps_and_entropies` call saw: final hidden states and entropies."""
+
+    want_hidden: bool
+    hidden: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+
+
+class DPPOTrainer(GRPOTrainer):
+    """Trainer for Divergence Proximal Policy Optimization (DPPO).
+
+    A drop-in replacement for [`~trl.GRPOTrainer`] — same constructor arguments — that takes a [`DPPOConfig`]. See the
+    module docstring for how the loss composes with GRPOTrainer and `docs/theory.md` for the method.
+    """
+
+    _tag_names = ["trl", "dppo", "grpo"]
+    _name = "DPPO"
+    _paper = {
+        "title": "Rethinking the Trust Region in LLM Reinforcement Learning",
+        "id": "2602.04879",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{qi2026rethinking,
+                title        = {{Rethinking the Trust Region in LLM Reinforcement Learning}},
+                author       = {Penghui Qi and Xiangxin Zhou and Zichen Liu and Tianyu Pang and Chao Du and Min Lin and Wee Sun Lee},
+                year         = 2026,
+                eprint       = {arXiv:2602.04879},
+            }"""),
+    }
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        params = bound.arguments
+        config = params.get("args")
+        if config is None:
+            model = params["model"]
+            model_name = model if isinstance(model, str) else model.config._name_or_path
+            config = params["args"] = DPPOConfig(f"{model_name.split('/')[-1]}-DPPO")
+        elif not isinstance(config, DPPOConfig):
+            raise TypeError(
+                f"DPPOTrainer needs a DPPOConfig, got {type(config).__name__}. Build `DPPOConfig(...)` with the same "
+                "fields (it subclasses GRPOConfig and sets the defaults DPPO needs)."
+            )
+        _validate_trainer_inputs(config, params)
+        if config.use_vllm and config.vllm_mode == "colocate":
+            from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
+
+            if is_vllm_cpu_platform():
+                patch_trl_vllm_for_cpu()
+
+        super().__init__(*bound.args[1:], **bound.kwargs)
+
+        # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
+        self.epsilon_low, self.epsilon_high = 1.0, math.inf
+        # A non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if any)
+        # still applies on top, through `self.args.off_policy_mask_threshold`.
+        self.off_policy_mask_threshold = math.inf
+        self._loss_batch: dict | None = None
+        self._forward_capture: _ForwardCapture | None = None
+        self._vllm_topk: VLLMTopKCapture | None = None
+        if self.use_vllm:
+            self._check_vllm_server()
+            if self.args.uses_top_k and self.args.anchor == "behavior":
+                self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Seams (each a thin wrapper around GRPOTrainer's method)
+    # ------------------------------------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        """Generate with the parent, then make `old_per_token_logps` the behaviour policy μ and attach μ's top-K."""
+        if self._vllm_topk is not None:
+            self._vllm_topk.reset()
+        output = super()._generate_and_score_completions(inputs)
+        mask = (
+            output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        )
+
+        behavior, topk = self._behavior_policy(output, mask)
+        if behavior is not None:
+            behavior = behavior.float()
+            valid = torch.isfinite(behavior) & (behavior <= 0)
+            invalid = (~valid & mask.bool()).sum()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["dppo/invalid_behavior_logps"].append(self.accelerator.gather(invalid).sum().item())
+            output[BEHAVIOR_LOGPS] = torch.where(valid, behavior, torch.zeros_like(behavior))
+            output[BEHAVIOR_VALID] = valid
+            # What the parent exponentiates: μ clamped so `exp(log π − μ)` stays finite; invalid tokens get weight 0.
+            output["old_per_token_logps"] = output[BEHAVIOR_LOGPS].clamp(min=_MU_FLOOR)
+        if topk is not None:
+            output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """Parent's fused log-prob pass; while DPPO captures, also keep the final hidden states and entropies."""
+        capture = self._forward_capture
+        if capture is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        hiddens: list[torch.Tensor] = []
+        handle = None
+        if capture.want_hidden:
+            handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
+                lambda _module, _inputs, out: hiddens.append(_last_hidden_state(out).detach())
+            )
+        try:
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
+        if hiddens:
+            # Hidden state at position i predicts token i+1, so the completion tokens are scored from [-T-1, -1).
+            capture.hidden = torch.cat(hiddens, dim=0)[:, -logits_to_keep - 1 : -1]
+        capture.entropies = result[1]
+        return result
+
+    def _compute_loss(self, model, inputs):
+        """Parent's loss, with DPPO's trust region supplied through `get_off_policy_mask`."""
+        top_k_in_loss = self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs
+        self._loss_batch = inputs
+        self._forward_capture = _ForwardCapture(want_hidden=top_k_in_loss)
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._loss_batch = None
+            self._forward_capture = None
+        mode = "train" if self.model.training else "eval"
+        for key in _GRPO_CLIP_METRICS:
+            self._metrics[mode].pop(key, None)
+        return loss
+
+    def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """DPPO's per-token weight `M · min(π/μ, C) / (π/μ)` (eqs. 11–12), times the user's OPSM mask if configured."""
+        weight = self._trust_region_weight(advantages, per_token_logps.detach(), mask)
+        if self.args.off_policy_mask_threshold is not None:
+            weight = weight * super().get_off_policy_mask(
+                advantages=advantages,
+                per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling_per_token_logps,
+                mask=mask,
+                off_policy_threshold=self.args.off_policy_mask_threshold,
+            )
+        return weight
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card, plus the DPPO settings that matter for reproducing the run."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += ["dppo", f"dppo-{self.args.divergence.replace('_', '-')}"]
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.is_world_process_zero() and os.path.exists(path):
+            with open(path, "a", encoding="utf-8") as card:
+                card.write("\n" + dppo_card_section(self.args))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # DPPO glue
+    # ------------------------------------------------------------------------------------------------------------
+    def _behavior_policy(self, output: dict, mask: torch.Tensor):
+        """Pick μ for this generation batch: `(behaviour log-probs or None, (top-K ids, logps) or None)`.
+
+        - vLLM / `rollout_func`: the engine's sampled-token log-probs; top-K from the engine.
+        - transformers `generate`, off-policy: TRL's recompute of the generating weights (that *is* the engine).
+        - transformers `generate`, on-policy: `None` — μ ≡ π and the parent falls back to `π.detach()`.
+        - `anchor="recompute"` (ablation): the trainer's π_old, recomputed here if the parent did not.
+        """
+        want_topk = self.args.uses_top_k
+        topk = None
+        if self.args.anchor == "recompute":
+            behavior = output.get("old_per_token_logps")
+            if behavior is None and not self.use_vllm:
+                return None, None  # on-policy transformers generation: π_old ≡ π, the parent's own fallback
+            if behavior is None or want_topk:
+                logps, topk = self._policy_forward(output, mask, want_topk)
+                behavior = logps if behavior is None else behavior
+            return behavior, topk
+
+        behavior = output.get("sampling_per_token_logps")
+        if behavior is not None:
+            if self._vllm_topk is not None:
+                topk = self._vllm_topk.pop(output["completion_ids"], mask)
+            elif want_topk:
+                raise ValueError(
+                    "Top-K DPPO needs μ's top-K log-probs from the engine; a `rollout_func` supplies only sampled-token "
+                    "log-probs. Use a binary divergence with `rollout_func`."
+                )
+            return behavior, topk
+
+        behavior = output.get("old_per_token_logps")
+        if behavior is not None and want_topk:
+            _, topk = self._policy_forward(output, mask, want_topk=True)
+        return behavior, topk
+
+    @torch.no_grad()
+    def _policy_forward(self, output: dict, mask: torch.Tensor, want_topk: bool):
+        """One no-grad pass of the current weights over the batch: sampled-token log-probs and, if asked, top-K.
+
+        Uses the parent's fused log-prob pass, so no `[B, T, V]` logits are built; the top-K comes from the captured
+        hidden states through a chunked vocabulary scan.
+        """
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        self._forward_capture = capture = _ForwardCapture(want_hidden=want_topk)
+        try:
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=self.args.per_device_train_batch_size,
+            )
+        finally:
+            self._forward_capture = None
+        if not want_topk:
+            return logps, None
+        k = self.args.divergence_top_k
+        valid = mask.bool()
+        weight, bias = self._lm_head_params()
+        with maybe_gather_lm_head_ctx(weight, bias):
+            top_logps, top_ids = chunked_topk_logps(
+                capture.hidden[valid], _full(weight), k, bias=_full(bias), transform=self._logit_transform()
+            )
+        ids = torch.full((*mask.shape, k + 1), -1, dtype=torch.long, device=mask.device)
+        slot_logps = torch.full((*mask.shape, k + 1), -math.inf, dtype=torch.float32, device=mask.device)
+        sampled = output["completion_ids"][valid]
+        # Slot 0 is the sampled token; slots 1..K are TopK(μ) without it (its slot is moved to the end as padding).
+        not_sampled = top_ids != sampled.unsqueeze(-1)
+        order = torch.argsort((~not_sampled).to(torch.int8), dim=-1, stable=True)
+        rest_ids = torch.where(not_sampled, top_ids, -1).gather(-1, order)
+        rest_logps = torch.where(not_sampled, top_logps, -math.inf).gather(-1, order)
+        ids[valid] = torch.cat([sampled.unsqueeze(-1), rest_ids], dim=-1)
+        slot_logps[valid] = torch.cat([logps[valid].float().unsqueeze(-1), rest_logps], dim=-1)
+        return logps, (ids, slot_logps)
+
+    @torch.no_grad()
+    def _trust_region_weight(self, advantages, pi_logps, mask) -> torch.Tensor:
+        """The detached weight the parent multiplies `−r·A` by, plus the DPPO metrics (Fig. 6 diagnostics)."""
+        batch = self._loss_batch
+        args = self.args
+        pi_logps = pi_logps.float()
+        adv = advantages.float().expand_as(pi_logps)
+        if batch is None or BEHAVIOR_LOGPS not in batch:
+            # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
+            mu_logps, valid = pi_logps, torch.ones_like(pi_logps, dtype=torch.bool)
+        else:
+            mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
+
+        pi_topk = mu_topk = None
+        if args.uses_top_k and batch is not None and BEHAVIOR_TOPK_IDS in batch:
+            pi_topk, mu_topk = self._pi_topk(batch, pi_logps, mask.bool() & valid)
+        if args.uses_top_k and mu_topk is None:
+            # Without μ's top-K (on-policy), μ ≡ π and every divergence is 0: the binary form computes that exactly.
+            div = divergence(args.divergence.replace("topk_", "binary_"), pi_logps, mu_logps)
+        else:
+            div = divergence(args.divergence, pi_logps, mu_logps, pi_topk, mu_topk)
+        keep = trust_region_mask(pi_logps, mu_logps, adv, div, args.delta_low, args.delta_high) * valid
+
+        # The parent's ratio is exp(π − old), `old` as it reads it; this weight turns its `r·A` into `min(r, C)·M·A`.
+        log_ratio = pi_logps - mu_logps
+        parent_old = batch.get("old_per_token_logps") if batch is not None else None
+        parent_log_ratio = pi_logps - (pi_logps if parent_old is None else parent_old.float())
+        capped_log_ratio = log_ratio.clamp(max=math.log(args.ratio_cap))
+        weight = torch.where(keep > 0, torch.exp(capped_log_ratio - parent_log_ratio), torch.zeros_like(keep))
+
+        self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, log_ratio, mask.bool() & valid)
+        return weight.to(pi_logps.dtype)
+
+    def _pi_topk(self, batch: dict, pi_logps: torch.Tensor, valid: torch.Tensor):
+        """π's log-probs at μ's TopK ∪ {y} ids, from the captured hidden states (no `[B, T, V]` logits)."""
+        capture = self._forward_capture
+        ids, mu_topk = batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS].float()
+        if capture is None or capture.hidden is None:
+            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
+        weight, bias = self._lm_head_params()
+        pi_topk = torch.full_like(mu_topk, -math.inf)
+        with maybe_gather_lm_head_ctx(weight, bias):
+            pi_topk[valid] = logps_at_ids_from_anchor(
+                capture.hidden[valid],
+                _full(weight),
+                ids[valid],
+                ids[valid][:, 0],
+                pi_logps[valid],
+                bias=_full(bias),
+                transform=self._logit_transform(),
+            )
+        # Rows outside `valid` must not leak into the divergence: give both sides identical padding.
+        mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
+        return pi_topk, mu_topk
+
+    def _log_trust_region_metrics(self, pi_logps, mu_logps, adv, div, keep, log_ratio, valid) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        tokens = valid.float()
+        masked = (1.0 - keep) * tokens
+        pos, neg = tokens * (adv > 0), tokens * (adv < 0)
+        pi_p, mu_p = pi_logps.exp(), mu_logps.exp()
+        ratio = torch.exp(log_ratio.clamp(max=80.0))
+        entropies = self._forward_capture.entropies if self._forward_capture is not None else None
+        sums = {
+            "tokens": tokens.sum(),
+            "masked": masked.sum(),
+            "pos": pos.sum(),
+            "masked_pos": (masked * pos).sum(),
+            "neg": neg.sum(),
+            "masked_neg": (masked * neg).sum(),
+            "div": (div * tokens).sum(),
+            "mismatch": ((pi_p - mu_p).abs() * tokens).sum(),
+            "ratio": (ratio * tokens).sum(),
+            "capped": ((log_ratio > math.log(self.args.ratio_cap)).float() * tokens).sum(),
+            "masked_mu_prob": (mu_p * masked).sum(),
+            "masked_entropy": (entropies.float() * masked).sum() if entropies is not None else tokens.new_zeros(()),
+        }
+        totals = dict(zip(sums, self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()))
+        maxima = torch.stack(
+            [
+                torch.where(valid, div, torch.zeros_like(div)).max(),
+                torch.where(valid, (pi_p - mu_p).abs(), torch.zeros_like(div)).max(),
+                torch.where(valid, ratio, torch.zeros_like(div)).max(),
+            ]
+        )
+        div_max, mismatch_max, ratio_max = self.accelerator.gather(maxima).view(-1, 3).max(dim=0).values.tolist()
+
+        def ratio_of(num: str, den: str) -> float:
+            return totals[num] / totals[den] if totals[den] > 0 else 0.0
+
+        metrics["dppo/mask_ratio"].append(ratio_of("masked", "tokens"))
+        metrics["dppo/mask_ratio_pos_adv"].append(ratio_of("masked_pos", "pos"))
+        metrics["dppo/mask_ratio_neg_adv"].append(ratio_of("masked_neg", "neg"))
+        metrics["dppo/divergence_mean"].append(ratio_of("div", "tokens"))
+        metrics["dppo/divergence_max"].append(div_max)
+        metrics["dppo/mismatch_abs_mean"].append(ratio_of("mismatch", "tokens"))
+        metrics["dppo/mismatch_abs_max"].append(mismatch_max)
+        metrics["dppo/ratio_mean"].append(ratio_of("ratio", "tokens"))
+        metrics["dppo/ratio_max"].append(ratio_max)
+        metrics["dppo/ratio_capped_frac"].append(ratio_of("capped", "tokens"))
+        if totals["masked"] > 0:
+            metrics["dppo/masked_mu_prob_mean"].append(ratio_of("masked_mu_prob", "masked"))
+            if entropies is not None:
+                metrics["dppo/masked_entropy_mean"].append(ratio_of("masked_entropy", "masked"))
+
+    def _lm_head_params(self):
+        head = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
+
+    def _logit_transform(self) -> LogitTransform:
+        config = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).config
+        return LogitTransform.from_model_config(config, temperature=self.temperature)
+
+    def _check_vllm_server(self) -> None:
+        """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them."""
+        if self.vllm_mode != "server" or not self.accelerator.is_main_process:
+            return
+        model_config = self.vllm_generation.vllm_client.get_server_info()["model_config"]
+        if model_config.get("logprobs_mode") != "processed_logprobs":
+            raise ValueError(
+                f"The vLLM server runs with `--logprobs-mode {model_config.get('logprobs_mode')}`: its log-probs are "
+                "not the distribution it sampled from, so they cannot anchor DPPO. Restart `trl vllm-serve` with "
+                "`--logprobs-mode processed_logprobs`."
+            )
+        max_logprobs = model_config.get("max_logprobs")
+        k = self.args.divergence_top_k
+        if self.args.uses_top_k and max_logprobs is not None and 0 <= max_logprobs < k:
+            raise ValueError(
+                f"divergence_top_k={k} exceeds the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server "
+                f"with `--max-logprobs {k}` (or -1), or lower divergence_top_k."
+            )
+
+
+def dppo_card_section(args: DPPOConfig) -> str:
+    """Markdown section with the DPPO settings, appended to TRL's model card."""
+    rows = [
+        ("divergence", args.divergence),
+        ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
+        ("ratio_cap (C)", args.ratio_cap),
+        ("anchor", args.anchor),
+        ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        ("loss_type", args.loss_type),
+        ("beta", args.beta),
+        ("learning_rate", args.learning_rate),
+        ("num_generations", args.num_generations),
+        ("temperature", args.temperature),
+        ("generation", f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"),
+    ]
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return (
+        "## DPPO configuration\n\nTrained with [dppo-trl](https://arxiv.org/abs/2602.04879) "
+        "(Divergence Proximal Policy Optimization).\n\n| setting | value |\n|---|---|\n" + table + "\n"
+    )
+
+
+def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
+    """Checks that need the trainer's arguments, not only the config (run before anything is built)."""
+    has_tools = bool(params.get("tools")) or params.get("environment_factory") is not None
+    if config.uses_top_k and has_tools:
+        raise ValueError(
+            f"divergence={config.divergence!r} does not support tool calling (`tools` / `environment_factory`): "
+            "tool results are spliced between generate calls, so μ's top-K is not defined for every token. Use "
+            "divergence='binary_tv' or 'binary_kl' with tools."
+        )
+    if config.uses_top_k and params.get("rollout_func") is not None:
+        raise ValueError(
+            f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
+            "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
+        )
+
+
+def _unwrapped_causal_lm(model):
+    """The `PreTrainedModel` carrying the LM head (under PEFT, the wrapped base model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _backbone(model):
+    """The decoder whose output the fused LM head projects (`PreTrainedModel.base_model`)."""
+    return _unwrapped_causal_lm(model).base_model
+
+
+def _last_hidden_state(output) -> torch.Tensor:
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _full(param):
+    """FSDP2 exposes sharded parameters as DTensors; the projections need the full tensor."""
+    if param is not None and hasattr(param, "full_tensor"):
+        return param.full_tensor()
+    return param

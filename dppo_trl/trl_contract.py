@@ -1,0 +1,109 @@
+"""Every TRL internal dppo-trl relies on, in one place.
+
+`tests/test_trl_contract.py` checks each entry against the installed TRL, so an upgrade that renames, re-signs or
+re-shapes one of them fails loudly instead of silently turning DPPO into something else. Behavioural parts of the
+contract (the gradient DPPOTrainer obtains through GRPOTrainer's loss, the keys of the generation batch, batch-major
+keys surviving TRL's shuffle/split) are covered by `tests/test_loss_gradient.py` and `tests/test_trainer_*.py`.
+"""
+
+from __future__ import annotations
+
+TESTED_TRL_RANGE = (">=1.16.0", "<1.17")
+
+# GRPOTrainer methods DPPOTrainer overrides (thin wrappers calling super()), with the parameters it relies on.
+OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ),
+    "_compute_loss": ("self", "model", "inputs"),
+    "get_off_policy_mask": (
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
+    ),
+    "create_model_card": ("self", "model_name", "dataset_name", "tags"),
+}
+
+# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
+TRAINER_ATTRIBUTES = (
+    "epsilon_low",
+    "epsilon_high",
+    "off_policy_mask_threshold",
+    "_metrics",
+    "use_vllm",
+    "vllm_mode",
+    "temperature",
+    "accelerator",
+    "model",
+)
+VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
+
+# Source fragments of GRPOTrainer._compute_loss the DPPO loss composition depends on (see dppo_trl/trainer.py).
+COMPUTE_LOSS_FRAGMENTS = (
+    'inputs.get("old_per_token_logps")',  # μ is read from here, `per_token_logps.detach()` when absent
+    "per_token_logps.detach() if old_per_token_logps is None",
+    "if self.off_policy_mask_threshold is not None:",  # the hook is called only for a non-None threshold
+    "self.get_off_policy_mask(",
+    "per_token_loss = per_token_loss * off_policy_mask",
+    "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
+    "if advantages.dim() == 1:",
+)
+# `_get_per_token_logps_and_entropies` returns `(logps, entropies, aux_loss)`.
+PER_TOKEN_LOGPS_ARITY = 3
+# It calls the model with the fused LM head, whose backbone output DPPOTrainer hooks for the final hidden states.
+PER_TOKEN_LOGPS_FRAGMENTS = ("fused_lm_head=True", "outputs.log_probs[:, -logits_to_keep:]")
+FUSED_HEAD_FRAGMENTS = (
+    'backbone_attr = "base_model"',
+    "backbone_outputs.last_hidden_state[:, :-1]",
+    "lm_head = self.get_output_embeddings()",
+)
+
+# Keys of the generation batch DPPOTrainer reads.
+GENERATION_OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+GENERATION_OPTIONAL_KEYS = ("sampling_per_token_logps", "old_per_token_logps", "tool_mask", "num_items_in_batch")
+
+# vLLM backend: `VLLMGeneration.generate` returns a 4-tuple and reads `self.logprobs` at call time; the parent keeps
+# entry 0 of each token's list as the sampled-token log-prob (the "lp[0] trap" the top-K capture works around).
+VLLM_GENERATE_PARAMS = ("self", "prompts", "images", "num_generations", "profiler")
+VLLM_GENERATE_FRAGMENTS = (
+    '"logprobs": self.logprobs',
+    "return prompt_ids, completion_ids, logprobs, logprob_token_ids",
+)
+GENERATE_SINGLE_TURN_FRAGMENTS = (
+    "_, completion_ids, logprobs, _ = self.vllm_generation.generate(",
+    "logprobs = [[lp[0] for lp in seq] for seq in logprobs]",
+)
+
+# GRPOConfig fields DPPOConfig validates or relies on.
+CONFIG_FIELDS = (
+    "loss_type",
+    "importance_sampling_level",
+    "delta",
+    "epsilon_high",
+    "vllm_importance_sampling_correction",
+    "use_liger_kernel",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "off_policy_mask_threshold",
+    "use_vllm",
+    "vllm_mode",
+    "temperature",
+    "beta",
+    "num_iterations",
+    "steps_per_generation",
+)
+
+# Helpers imported from `trl.trainer.utils`.
+UTILS = ("maybe_gather_lm_head_ctx", "add_fused_lm_head", "shuffle_sequence_dict", "split_tensor_dict")

@@ -1,0 +1,193 @@
+"""The gradient DPPOTrainer gets through GRPOTrainer's real `_compute_loss` is eq. 11, for every aggregation.
+
+A crafted batch puts tokens in each regime of eq. 12 (masked on either side, kept moves back toward μ, ratios above
+the cap, an engine log-prob the engine could not report), then compares the model's parameter gradients with the
+gradient of the literal eq.-11 loss built from `dppo_trl.trust_region` on full logits.
+"""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.tiny_models import build_byte_tokenizer
+from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
+from dppo_trl.trust_region import divergence, dppo_per_token_loss, trust_region_mask
+
+PROMPT_LEN, COMPLETION_LEN = 3, 6
+ADVANTAGES = torch.tensor([1.0, -1.0, 0.7, -1.5])
+# μ per token as a function of π (probabilities): each entry is one regime of eqs. 11–12.
+#   "far_below": μ = π/10      → A>0: π>μ, D>δ: masked;  A<0: kept (moving back up), ratio 10 > C: capped
+#   "above":     μ = 0.6       → A<0: π<μ, D>δ: masked;  A>0: kept (moving back toward μ)
+#   "same":      μ = π         → kept, ratio 1
+#   "nan":       engine log-prob missing → weight 0
+#   "tiny":      μ = 1e-30     → huge ratio, capped at C (A<0 kept; A>0 masked)
+#   "close":     μ = π·0.999   → kept (D < δ)
+PATTERN = ["far_below", "above", "same", "nan", "tiny", "close"]
+
+
+def _mu_from_pi(pi_logps: torch.Tensor) -> torch.Tensor:
+    mu = torch.empty_like(pi_logps)
+    for t, regime in enumerate(PATTERN):
+        col = pi_logps[:, t]
+        mu[:, t] = {
+            "far_below": col - math.log(10.0),
+            "above": torch.full_like(col, math.log(0.6)),
+            "same": col,
+            "nan": torch.full_like(col, float("nan")),
+            "tiny": torch.full_like(col, math.log(1e-30)),
+            "close": col + math.log(0.999),
+        }[regime]
+    return mu
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_len: int) -> torch.Tensor:
+    """GRPOTrainer's documented normalisers (gradient accumulation 1, one process)."""
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type == "dapo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if loss_type == "luspo":
+        return (per_token * mask).sum(-1).mean()
+    raise ValueError(loss_type)
+
+
+def _assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """fp32 rounding of the fused head vs full logits: compare against the gradient's own scale."""
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * scale + 1e-9, f"gradient of {name}: max error {err:.3g} at scale {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+def _trainer(model_dir, tokenizer, tmp_path, **config):
+    args = DPPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=COMPLETION_LEN,
+        **config,
+    )
+    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+2="]})
+    trainer = DPPOTrainer(
+        model=model_dir,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    return trainer
+
+
+def _crafted_batch(model, generator):
+    batch = ADVANTAGES.numel()
+    prompt_ids = torch.randint(0, 256, (batch, PROMPT_LEN), generator=generator)
+    completion_ids = torch.randint(0, 256, (batch, COMPLETION_LEN), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[2, -2:] = 0  # a shorter completion
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    attn = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+        pi = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    mu = _mu_from_pi(pi)
+    valid = torch.isfinite(mu)
+    mu_clean = torch.where(valid, mu, torch.zeros_like(mu))
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": ADVANTAGES.clone(),
+        "num_items_in_batch": completion_mask.sum(),
+        "old_per_token_logps": mu_clean.clamp(min=-60.0),
+        BEHAVIOR_LOGPS: mu_clean,
+        BEHAVIOR_VALID: valid,
+    }
+    return inputs, ids, attn, mu_clean, valid
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "luspo"])
+@pytest.mark.parametrize("kind", ["binary_tv", "binary_kl"])
+def test_gradient_through_parent_loss_equals_eq11(tiny_model_dir, tokenizer, tmp_path, loss_type, kind):
+    delta_low, delta_high, cap = 0.02, 0.001, 2.0
+    trainer = _trainer(
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        loss_type=loss_type,
+        divergence=kind,
+        delta_low=delta_low,
+        delta_high=delta_high,
+        ratio_cap=cap,
+    )
+    model = trainer.model
+    inputs, ids, attn, mu, valid = _crafted_batch(model, torch.Generator().manual_seed(0))
+
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.isfinite(loss)
+
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    adv = ADVANTAGES.unsqueeze(1)
+    div = divergence(kind, pi.detach(), mu)
+    keep = trust_region_mask(pi.detach(), mu, adv, div, delta_low, delta_high) * valid
+    per_token = dppo_per_token_loss(pi, mu, adv, keep, cap)
+    reference = _aggregate(per_token, inputs["completion_mask"].float(), loss_type, COMPLETION_LEN)
+    reference.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # The crafted batch really exercises every regime.
+    mask = inputs["completion_mask"].bool() & valid
+    assert (keep[mask] == 0).any() and (keep[mask] == 1).any()
+    assert ((pi.detach() - mu)[mask] > math.log(cap)).any(), "no token above the ratio cap"
+    assert set(got) == set(want)
+    for name in want:
+        _assert_grad_close(got[name], want[name], name)
+
+    mode_metrics = trainer._metrics["train"]
+    assert 0 < mode_metrics["dppo/mask_ratio"][-1] < 1
+    assert "clip_ratio/region_mean" not in mode_metrics
+
+
+def test_on_policy_without_behavior_keeps_everything(tiny_model_dir, tokenizer, tmp_path):
+    """Transformers generation, on-policy: μ ≡ π, so the loss is the plain policy gradient (ratio 1, no mask)."""
+    trainer = _trainer(tiny_model_dir, tokenizer, tmp_path)
+    model = trainer.model
+    inputs, ids, attn, _, _ = _crafted_batch(model, torch.Generator().manual_seed(1))
+    for key in ("old_per_token_logps", BEHAVIOR_LOGPS, BEHAVIOR_VALID):
+        inputs.pop(key)
+    model.zero_grad()
+    trainer._compute_loss(model, inputs).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    mask = inputs["completion_mask"].float()
+    (-(ADVANTAGES.unsqueeze(1) * pi * mask).sum() / mask.sum()).backward()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            _assert_grad_close(got[name], param.grad, name)
+    assert trainer._metrics["train"]["dppo/mask_ratio"][-1] == 0.0

@@ -1,0 +1,125 @@
+"""Contract tests: the TRL internals listed in `dppo_trl/trl_contract.py` still look the way DPPOTrainer expects."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import trl
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from trl import GRPOConfig, GRPOTrainer
+from trl.generation import vllm_generation
+from trl.trainer import utils as trl_utils
+
+from dppo_trl import DPPOConfig, DPPOTrainer, trl_contract
+
+
+def test_installed_trl_is_in_the_tested_range():
+    spec = SpecifierSet(",".join(trl_contract.TESTED_TRL_RANGE))
+    assert Version(trl.__version__) in spec, f"dppo-trl is tested with trl{spec}, found {trl.__version__}"
+
+
+@pytest.mark.parametrize("name", sorted(trl_contract.OVERRIDDEN_METHODS))
+def test_overridden_methods_exist_with_expected_parameters(name):
+    parent = inspect.getattr_static(GRPOTrainer, name)
+    params = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
+    expected = trl_contract.OVERRIDDEN_METHODS[name]
+    assert params[: len(expected)] == list(expected), f"GRPOTrainer.{name} signature changed: {params}"
+    assert name in DPPOTrainer.__dict__, f"DPPOTrainer no longer overrides {name}: update trl_contract.py"
+    if name == "get_off_policy_mask":
+        assert isinstance(parent, staticmethod), "get_off_policy_mask is no longer a staticmethod"
+
+
+def test_dppo_overrides_only_the_listed_seams():
+    own = {
+        name
+        for name, value in DPPOTrainer.__dict__.items()
+        if callable(value) and hasattr(GRPOTrainer, name) and not name.startswith("__")
+    }
+    assert own == set(trl_contract.OVERRIDDEN_METHODS), f"unlisted GRPOTrainer overrides: {own}"
+
+
+def test_compute_loss_source_keeps_the_composition_points():
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    for fragment in trl_contract.COMPUTE_LOSS_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer._compute_loss changed: missing {fragment!r}"
+
+
+def test_per_token_logps_pass_uses_fused_head_and_returns_three_values():
+    source = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    for fragment in trl_contract.PER_TOKEN_LOGPS_FRAGMENTS:
+        assert fragment in source, f"_get_per_token_logps_and_entropies changed: missing {fragment!r}"
+    assert "return logps, entropies, aux_loss" in source
+    assert trl_contract.PER_TOKEN_LOGPS_ARITY == 3
+    head_source = inspect.getsource(trl_utils.add_fused_lm_head)
+    for fragment in trl_contract.FUSED_HEAD_FRAGMENTS:
+        assert fragment in head_source, f"add_fused_lm_head changed: missing {fragment!r}"
+
+
+def test_fused_head_logit_transform_order_matches_ours():
+    """Our top-K gather re-applies the head's transform; TRL must still read these config fields."""
+    head_source = inspect.getsource(trl_utils.add_fused_lm_head)
+    for field in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier",
+        "lm_head_multiplier",
+        "logits_scaling",
+    ):
+        assert field in head_source, f"add_fused_lm_head no longer reads {field!r}: update LogitTransform"
+
+
+def test_vllm_generation_contract():
+    params = list(inspect.signature(vllm_generation.VLLMGeneration.generate).parameters)
+    assert params == list(trl_contract.VLLM_GENERATE_PARAMS)
+    source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
+    for fragment in trl_contract.VLLM_GENERATE_FRAGMENTS:
+        assert fragment in source, f"VLLMGeneration.generate changed: missing {fragment!r}"
+    single_turn = inspect.getsource(GRPOTrainer._generate_single_turn)
+    for fragment in trl_contract.GENERATE_SINGLE_TURN_FRAGMENTS:
+        assert fragment in single_turn, f"GRPOTrainer._generate_single_turn changed: missing {fragment!r}"
+
+
+def test_generation_batch_keys_are_produced():
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for key in trl_contract.GENERATION_OUTPUT_KEYS + trl_contract.GENERATION_OPTIONAL_KEYS:
+        assert f'"{key}"' in source, f"_generate_and_score_completions no longer produces {key!r}"
+
+
+def test_config_fields_exist():
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    missing = set(trl_contract.CONFIG_FIELDS) - fields
+    assert not missing, f"GRPOConfig lost fields {missing}"
+    # DPPOConfig's own fields must not shadow GRPOConfig's (e.g. GRPO's `delta`).
+    own = {f.name for f in dataclasses.fields(DPPOConfig)} - fields
+    assert own == {"divergence", "delta_low", "delta_high", "divergence_top_k", "ratio_cap", "anchor"}
+
+
+def test_trainer_attributes_are_set_by_grpo_init():
+    source = inspect.getsource(GRPOTrainer.__init__)
+    for attr in trl_contract.TRAINER_ATTRIBUTES + trl_contract.VLLM_TRAINER_ATTRIBUTES:
+        if attr in ("accelerator", "model", "_metrics"):
+            continue  # set by transformers.Trainer / checked at run time by the trainer tests
+        assert f"self.{attr} =" in source, f"GRPOTrainer.__init__ no longer sets self.{attr}"
+
+
+def test_utils_exist():
+    for name in trl_contract.UTILS:
+        assert callable(getattr(trl_utils, name, None)), f"trl.trainer.utils.{name} is gone"
+
+
+def test_batch_major_keys_survive_shuffle_and_split():
+    batch, length, slots = 6, 5, 4
+    data = {
+        "prompt_ids": torch.arange(batch).unsqueeze(1).repeat(1, 3),
+        "completion_ids": torch.arange(batch * length).view(batch, length),
+        "dppo_behavior_topk_ids": torch.arange(batch * length * slots).view(batch, length, slots),
+        "num_items_in_batch": torch.tensor(30),
+    }
+    shuffled = trl_utils.shuffle_sequence_dict(data)
+    for part in trl_utils.split_tensor_dict(shuffled, 3):
+        rows = part["completion_ids"][:, 0] // length
+        expected = torch.arange(batch * length * slots).view(batch, length, slots)[rows]
+        assert torch.equal(part["dppo_behavior_topk_ids"], expected)
+        assert part["num_items_in_batch"].item() == 30
