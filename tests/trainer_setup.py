@@ -1,0 +1,67 @@
+"""Builders shared by the end-to-end trainer tests: a tiny prompt set, a reward with signal, a small DPPOConfig."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+
+from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.tiny_models import build_byte_tokenizer
+
+PROMPTS = ["1+1=", "2+3=", "4+4=", "5+1=", "7+2=", "3+3=", "6+2=", "8+1="]
+
+
+def ascii_reward(completions, **kwargs) -> list[float]:
+    """Fraction of ASCII characters: a random byte-level model gets varied rewards, so advantages are non-zero."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [sum(ord(ch) < 128 for ch in t) / max(len(t), 1) for t in texts]
+
+
+def prompt_dataset(conversational: bool = False) -> Dataset:
+    if conversational:
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def small_config(output_dir, **overrides) -> DPPOConfig:
+    values = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=0,
+    )
+    values.update(overrides)
+    return DPPOConfig(**values)
+
+
+def make_trainer(model, output_dir, peft_config=None, dataset=None, eval_dataset=None, **config) -> DPPOTrainer:
+    return DPPOTrainer(
+        model=model,
+        reward_funcs=ascii_reward,
+        args=small_config(output_dir, **config),
+        train_dataset=dataset if dataset is not None else prompt_dataset(),
+        eval_dataset=eval_dataset,
+        processing_class=build_byte_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def snapshot_trainable(trainer: DPPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def changed_parameters(trainer: DPPOTrainer, before: dict[str, torch.Tensor]) -> list[str]:
+    params = dict(trainer.model.named_parameters())
+    return [n for n, old in before.items() if not torch.equal(params[n].detach(), old)]
+
+
+def logged(trainer: DPPOTrainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
