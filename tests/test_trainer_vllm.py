@@ -111,7 +111,7 @@ def test_mu_is_the_engine_sampled_logprob(tiny_model_dir, tmp_path, master_port,
     assert len(rows) == completion_ids.size(0)
 
     checked = not_top1 = 0
-    for b, (token_ids, entries) in enumerate(rows):
+    for token_ids, entries in rows:
         # TRL shuffles rows before the loss; find this completion's row by its tokens.
         matches = [
             i for i in range(completion_ids.size(0)) if completion_ids[i, : len(token_ids)].tolist() == token_ids
