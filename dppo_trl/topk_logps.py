@@ -1,0 +1,568 @@
+# Copyright 2026 The dppo-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""
+Log-probabilities of a few token ids per position, without materializing the `[N, V]` logits.
+
+Top-K DPPO needs, for each completion token, the trainer policy's log-probabilities at the behaviour policy's top-K
+ids plus the sampled id. Only the sampled id's log-probability needs a gradient. Every function here takes the final
+hidden states of the valid positions (`hidden [M, H]`), the LM head `weight [V, H]` and an optional `bias [V]`, and
+applies the same logit transform as TRL's fused LM head (see [`LogitTransform`]). Outputs are float32 (float64 for float64 inputs, for `gradcheck`); id slots set to
+a negative value (padding) give `-inf`.
+
+- [`logps_at_ids_from_anchor`]: no-grad, `J + 1` dot products per row, from a log-probability already known for one
+  id per row (design B: the log-partition cancels).
+- [`chunked_topk_logps`]: no-grad top-k of the full distribution with an online logsumexp over vocabulary tiles.
+- [`fused_linear_logps_at_ids`]: differentiable, chunked linear + log-softmax gather (design A).
+- [`naive_logps_at_ids`], [`naive_topk_logps`]: full-logits references for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+# `torch.mm(..., out_dtype=torch.float32)` from bf16/fp16 inputs exists on CUDA from torch 2.8 (not on CPU)
+_MM_OUT_DTYPE = Version(torch.__version__.split("+")[0]) >= Version("2.8.0")
+
+
+# Loop order of the fused backward: None picks the one with the smaller float32 accumulator; "token" or "vocab" forces
+# one (tests)
+_BACKWARD_ORDER: str | None = None
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """
+    Transform applied to the raw LM-head output `s = h·Wᵀ + b`: `z = softcap(s * logit_scale) / temperature`, where
+    `softcap(y) = softcap * tanh(y / softcap)` when `softcap` is not `None`. Same order as TRL's fused LM head.
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+
+    @classmethod
+    def from_model_config(cls, config: Any, temperature: float = 1.0) -> LogitTransform:
+        """
+        Read `final_logit_softcapping` and the logit scale from `config.get_text_config()` the way TRL's
+        `add_fused_lm_head` does, so log-probabilities here match the ones TRL's fused head returns.
+        """
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        # Same fallback chain as TRL: `logit_scale`, then `output_multiplier`, then `lm_head_multiplier`, then the
+        # inverse of `logits_scaling` (which HyperCLOVA X multiplies by instead). None means unscaled; 0.0 is kept.
+        logit_scale = getattr(text_config, "logit_scale", None)
+        if logit_scale is None:
+            logit_scale = getattr(text_config, "output_multiplier", None)
+        if logit_scale is None:
+            logit_scale = getattr(text_config, "lm_head_multiplier", None)
+        if logit_scale is None and getattr(text_config, "logits_scaling", None) is not None:
+            logits_scaling = text_config.logits_scaling
+            model_type = getattr(text_config, "model_type", None)
+            logit_scale = logits_scaling if model_type == "hyperclovax" else 1 / logits_scaling
+        logit_scale = 1.0 if logit_scale is None else logit_scale
+        return cls(
+            temperature=float(temperature),
+            logit_scale=float(logit_scale),
+            softcap=None if softcap is None else float(softcap),
+        )
+
+    def __call__(self, s: torch.Tensor) -> torch.Tensor:
+        """Apply the transform to raw logits `s` (not in place)."""
+        z = s * self.logit_scale if self.logit_scale != 1.0 else s
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z / self.temperature if self.temperature != 1.0 else z
+
+    def apply_(self, s: torch.Tensor, keep_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        Transform `s` in place (one extra tile only when `keep_tanh` and a softcap are set). Returns `z` and, when
+        `keep_tanh`, the softcap's `tanh` that [`backward_`] needs (else None).
+        """
+        if self.logit_scale != 1.0:
+            s.mul_(self.logit_scale)
+        t = None
+        if self.softcap is not None:
+            s.div_(self.softcap).tanh_()
+            if keep_tanh:
+                t, s = s, s.mul(self.softcap)
+            else:
+                s.mul_(self.softcap)
+        if self.temperature != 1.0:
+            s.div_(self.temperature)
+        return s, t
+
+    def backward_(self, dz: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+        """Turn `dL/dz` into `dL/ds` in place, consuming (overwriting) the `tanh` tile `t` from [`apply_`]."""
+        scale = self.logit_scale / self.temperature
+        if t is not None:
+            # d/dy [c·tanh(y/c)] = 1 − tanh²(y/c)
+            dz.mul_(t.mul_(t).neg_().add_(1))
+        if scale != 1.0:
+            dz.mul_(scale)
+        return dz
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [M, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"expected bias [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _resolve_compute_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype | None
+) -> torch.dtype:
+    if compute_dtype is not None:
+        return compute_dtype
+    # Matching low-precision inputs stay as they are (exact); anything mixed runs in float32
+    return hidden.dtype if hidden.dtype == weight.dtype else torch.float32
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 stays float64 (gradcheck); everything else is computed in float32
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _low_precision_cuda(device: torch.device, compute_dtype: torch.dtype) -> bool:
+    return _MM_OUT_DTYPE and device.type == "cuda" and compute_dtype in (torch.float16, torch.bfloat16)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` from inputs rounded to `compute_dtype`, with float32 products and output."""
+    if _low_precision_cuda(a.device, compute_dtype):
+        return torch.mm(a.to(compute_dtype), b.to(compute_dtype), out_dtype=torch.float32)
+    # Elsewhere there is no fp32-output low-precision GEMM: round the inputs, then multiply in float32
+    acc = _acc_dtype(compute_dtype)
+    return torch.mm(a.to(compute_dtype).to(acc), b.to(compute_dtype).to(acc))
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute_dtype: torch.dtype) -> None:
+    """
+    `acc += a @ b` into a float32 accumulator, where `a` is a float32 logits-gradient tile and `b` an input.
+
+    On CUDA with low-precision inputs the tile is rounded to `compute_dtype` to run a tensor-core GEMM with a float32
+    output, like TRL's fused head; elsewhere the tile stays float32.
+    """
+    if _low_precision_cuda(acc.device, compute_dtype):
+        torch.addmm(acc, a.to(compute_dtype), b.to(compute_dtype), out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(compute_dtype).to(acc.dtype))
+
+
+def _raw_logits_tile(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    start: int,
+    end: int,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Raw float32 logits `[n, end - start]` of one token chunk against one vocabulary tile."""
+    s = _mm_fp32(h, weight[start:end].t(), compute_dtype)
+    if bias is not None:
+        s.add_(bias[start:end].to(s.dtype))
+    return s
+
+
+def _no_autocast(device: torch.device):
+    # Autocast would round the float32 GEMMs here to bf16; the dtypes are chosen explicitly instead
+    return torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else nullcontext()
+
+
+def _lm_head_gather_ctx(weight: torch.Tensor, bias: torch.Tensor | None):
+    """TRL's ZeRO-3 gather of a partitioned head (a null context when ZeRO-3 is off)."""
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:  # pragma: no cover - TRL is a hard dependency of the package
+        return nullcontext()
+    return maybe_gather_lm_head_ctx(weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Design B: no-grad log-probabilities at ids from one known log-probability per row
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def logps_at_ids_from_anchor(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    anchor_logps: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """
+    Log-probabilities at `ids` from the log-probability of one anchor id per row, with no gradient.
+
+    Since `log π(k) = z_k − logZ`, `log π(k) = z_k − z_anchor + log π(anchor)`: the log-partition cancels and only
+    `J + 1` dot products per row are needed, in float32. `anchor_logps` is typically what TRL's fused LM head returned
+    for the sampled token.
+
+    Args:
+        hidden (`torch.Tensor`): final hidden states `[M, H]` of the valid positions.
+        weight (`torch.Tensor`): LM head weight `[V, H]` (may be a tied embedding matrix).
+        ids (`torch.Tensor`): `[M, J]` token ids; negative ids are padding and give `-inf`.
+        anchor_ids (`torch.Tensor`): `[M]` ids whose log-probabilities are known; a negative id makes its row `-inf`.
+        anchor_logps (`torch.Tensor`): `[M]` log-probabilities of `anchor_ids` under the same model and transform.
+        bias (`torch.Tensor`, *optional*): LM head bias `[V]`.
+        transform ([`LogitTransform`]): logit transform (temperature, logit scale, softcap).
+        chunk_size (`int`): token rows per chunk. Each chunk gathers `chunk_size × (J + 1) × H` float32 weights
+            (about 370 MiB for 1024 × 22 × 4096), never the whole `[M, J + 1, H]`.
+
+    Returns:
+        `torch.Tensor`: `[M, J]` float32 log-probabilities.
+    """
+    _check_inputs(hidden, weight, bias)
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
+    M, J = ids.shape
+    if anchor_ids.shape != (M,) or anchor_logps.shape != (M,):
+        raise ValueError(f"expected anchor_ids and anchor_logps of shape [{M}]")
+    acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    out = torch.empty((M, J), device=hidden.device, dtype=acc)
+    with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
+        for t0 in range(0, M, chunk_size):
+            t1 = min(t0 + chunk_size, M)
+            chunk_ids = torch.cat([anchor_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]
+            pad = chunk_ids < 0
+            safe_ids = chunk_ids.clamp(min=0)
+            w = weight[safe_ids].to(acc)  # [n, J + 1, H]
+            s = torch.bmm(w, hidden[t0:t1].to(acc).unsqueeze(-1)).squeeze(-1)
+            if bias is not None:
+                s.add_(bias.to(acc)[safe_ids])
+            z = transform(s)
+            logps = z[:, 1:] - z[:, :1] + anchor_logps[t0:t1, None].to(acc)
+            out[t0:t1] = logps.masked_fill_(pad[:, 1:] | pad[:, :1], -math.inf)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chunked top-k of the full distribution (behaviour policy on the HF-generate path)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def chunked_topk_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+    token_chunk: int = 1024,
+    vocab_tile: int = 32768,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Top-`k` log-probabilities and ids per row, holding at most one `[token_chunk, vocab_tile]` block of logits.
+
+    Each vocabulary tile updates an online logsumexp (running max and rescaled sum of exponentials) and a running
+    top-`k` of the transformed logits; the log-partition is subtracted at the end.
+
+    Args:
+        compute_dtype (`torch.dtype`, *optional*): dtype the GEMM inputs are rounded to (products are float32).
+            Defaults to the inputs' dtype when `hidden` and `weight` share it, float32 otherwise.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: `[M, k]` float32 log-probabilities sorted in descending order and the
+        matching `[M, k]` int64 ids.
+    """
+    _check_inputs(hidden, weight, bias)
+    M, V = hidden.shape[0], weight.shape[0]
+    if not 0 < k <= V:
+        raise ValueError(f"k must be in [1, {V}], got {k}")
+    device = hidden.device
+    compute_dtype = _resolve_compute_dtype(hidden, weight, compute_dtype)
+    acc = _acc_dtype(compute_dtype)
+    topk_logps = torch.empty((M, k), device=device, dtype=acc)
+    topk_ids = torch.empty((M, k), device=device, dtype=torch.long)
+    with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+        for t0 in range(0, M, token_chunk):
+            t1 = min(t0 + token_chunk, M)
+            n = t1 - t0
+            h = hidden[t0:t1].to(compute_dtype)
+            running_max = torch.full((n,), -math.inf, device=device, dtype=acc)
+            sum_exp = torch.zeros((n,), device=device, dtype=acc)
+            best_z = torch.full((n, 0), -math.inf, device=device, dtype=acc)
+            best_ids = torch.zeros((n, 0), device=device, dtype=torch.long)
+            for v0 in range(0, V, vocab_tile):
+                v1 = min(v0 + vocab_tile, V)
+                z, _ = transform.apply_(_raw_logits_tile(h, weight, bias, v0, v1, compute_dtype))
+                tile_z, tile_idx = z.topk(min(k, v1 - v0), dim=1)
+                # Merge the tile's top-k into the running top-k; the candidates are at most 2k wide
+                cand_z = torch.cat([best_z, tile_z], dim=1)
+                cand_ids = torch.cat([best_ids, tile_idx + v0], dim=1)
+                best_z, sel = cand_z.topk(min(k, cand_z.shape[1]), dim=1)
+                best_ids = cand_ids.gather(1, sel)
+                new_max = torch.maximum(running_max, tile_z[:, 0])
+                sum_exp.mul_(torch.exp(running_max - new_max)).add_(z.sub_(new_max[:, None]).exp_().sum(dim=1))
+                running_max = new_max
+                del z
+            log_z = running_max + torch.log(sum_exp)
+            topk_logps[t0:t1] = best_z - log_z[:, None]
+            topk_ids[t0:t1] = best_ids
+    return topk_logps, topk_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Design A: fused, chunked linear + log-softmax gather, with gradient
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _FusedLinearLogpsAtIds(torch.autograd.Function):
+    """
+    `log_softmax(transform(hidden @ weightᵀ + bias))` gathered at `ids`, one `[token_chunk, vocab_tile]` block at a
+    time. The forward folds each tile into an online logsumexp and picks the ids' logits from the same tile; the
+    backward recomputes each tile and accumulates the gradient GEMMs in float32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ids: torch.Tensor,
+        transform: LogitTransform,
+        token_chunk: int,
+        vocab_tile: int,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        device = hidden.device
+        M, J = ids.shape
+        V = weight.shape[0]
+        acc = _acc_dtype(compute_dtype)
+        log_z = torch.empty((M,), device=device, dtype=acc)
+        picked = torch.zeros((M, J), device=device, dtype=acc)
+        with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+            for t0 in range(0, M, token_chunk):
+                t1 = min(t0 + token_chunk, M)
+                n = t1 - t0
+                h = hidden[t0:t1].to(compute_dtype)
+                chunk_ids = ids[t0:t1]
+                chunk_picked = picked[t0:t1]
+                running_max = torch.full((n,), -math.inf, device=device, dtype=acc)
+                sum_exp = torch.zeros((n,), device=device, dtype=acc)
+                for v0 in range(0, V, vocab_tile):
+                    v1 = min(v0 + vocab_tile, V)
+                    z, _ = transform.apply_(_raw_logits_tile(h, weight, bias, v0, v1, compute_dtype))
+                    # The ids' logits come from the same tile as logZ, so the two stay consistent
+                    local = chunk_ids - v0
+                    in_tile = (local >= 0) & (local < v1 - v0)
+                    chunk_picked.copy_(torch.where(in_tile, z.gather(1, local.clamp(0, v1 - v0 - 1)), chunk_picked))
+                    new_max = torch.maximum(running_max, z.amax(dim=1))
+                    sum_exp.mul_(torch.exp(running_max - new_max)).add_(z.sub_(new_max[:, None]).exp_().sum(dim=1))
+                    running_max = new_max
+                    # Free this tile before the next GEMM allocates one: a single block of logits alive at a time
+                    del z
+                log_z[t0:t1] = running_max + torch.log(sum_exp)
+        out = (picked - log_z[:, None]).masked_fill_(ids < 0, -math.inf)
+        ctx.save_for_backward(hidden, weight, bias, ids, log_z)
+        ctx.transform = transform
+        ctx.token_chunk = token_chunk
+        ctx.vocab_tile = vocab_tile
+        ctx.compute_dtype = compute_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor | None):  # type: ignore[override]
+        if grad_out is None:
+            return (None,) * 8
+        hidden, weight, bias, ids, log_z = ctx.saved_tensors
+        transform: LogitTransform = ctx.transform
+        compute_dtype = ctx.compute_dtype
+        token_chunk, vocab_tile = ctx.token_chunk, ctx.vocab_tile
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        device = hidden.device
+        M, H = hidden.shape
+        V = weight.shape[0]
+        acc = log_z.dtype
+        # Padding outputs are a constant -inf: drop whatever flows into them (possibly nan from inf arithmetic)
+        g = grad_out.to(acc).masked_fill(ids < 0, 0.0)
+        safe_ids = ids.clamp(min=0)
+        # One host sync for all chunks: under DPPO many rows may carry no gradient (masked tokens)
+        row_has_grad = (g != 0).any(dim=1).tolist()
+        chunks = [(t0, min(t0 + token_chunk, M)) for t0 in range(0, M, token_chunk)]
+        chunks = [(t0, t1) for t0, t1 in chunks if any(row_has_grad[t0:t1])]
+        tiles = [(v0, min(v0 + vocab_tile, V)) for v0 in range(0, V, vocab_tile)]
+
+        grad_hidden = torch.zeros(hidden.shape, device=device, dtype=hidden.dtype) if need_h else None
+        grad_weight = torch.zeros(weight.shape, device=device, dtype=weight.dtype) if need_w else None
+        grad_bias = torch.zeros((V,), device=device, dtype=acc) if need_b else None
+        # Gradients of float32 tensors accumulate in place. Low-precision ones need float32 accumulators; a gradient
+        # is complete after its inner loop, so the inner loop's gradient needs only a chunk- or tile-sized one.
+        # Pick the loop order whose full-size accumulator is smaller (lm_head [V, H] vs hidden [M, H]).
+        h_acc_size = M * H if need_h and hidden.dtype != acc else 0
+        w_acc_size = V * H if need_w and weight.dtype != acc else 0
+        vocab_outer = _BACKWARD_ORDER == "vocab" or (_BACKWARD_ORDER is None and h_acc_size < w_acc_size)
+
+        def tile_grad(t0: int, t1: int, v0: int, v1: int, h: torch.Tensor) -> torch.Tensor:
+            """Recompute one tile and return `dL/ds` (gradient w.r.t. the raw logits), float32."""
+            g_chunk = g[t0:t1]
+            z, t = transform.apply_(_raw_logits_tile(h, weight, bias, v0, v1, compute_dtype), keep_tanh=True)
+            # dz = −(Σ_j g_j)·softmax(z) + Σ_j g_j·onehot(id_j); scatter_add sums duplicate ids
+            dz = z.sub_(log_z[t0:t1, None]).exp_().mul_(-g_chunk.sum(dim=1, keepdim=True))
+            local = safe_ids[t0:t1] - v0
+            in_tile = (local >= 0) & (local < v1 - v0)
+            dz.scatter_add_(1, local.clamp(0, v1 - v0 - 1), torch.where(in_tile, g_chunk, 0.0))
+            return transform.backward_(dz, t)
+
+        def accumulator(out: torch.Tensor | None) -> torch.Tensor | None:
+            # `out` itself when it is already float32 (a view into the returned gradient), else a fresh one
+            if out is None or out.dtype == acc:
+                return out
+            return torch.zeros(out.shape, device=device, dtype=acc)
+
+        def flush(acc_tensor: torch.Tensor | None, out: torch.Tensor | None) -> None:
+            if acc_tensor is not None and acc_tensor is not out:
+                out.copy_(acc_tensor)
+
+        with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+            if vocab_outer:
+                gh = accumulator(grad_hidden)
+                for v0, v1 in tiles:
+                    gw = accumulator(None if grad_weight is None else grad_weight[v0:v1])
+                    for t0, t1 in chunks:
+                        h = hidden[t0:t1].to(compute_dtype)
+                        ds = tile_grad(t0, t1, v0, v1, h)
+                        if gh is not None:
+                            _addmm_fp32_(gh[t0:t1], ds, weight[v0:v1], compute_dtype)
+                        if gw is not None:
+                            _addmm_fp32_(gw, ds.t(), h, compute_dtype)
+                        if grad_bias is not None:
+                            grad_bias[v0:v1] += ds.sum(dim=0)
+                        del ds
+                    flush(gw, None if grad_weight is None else grad_weight[v0:v1])
+                flush(gh, grad_hidden)
+            else:
+                gw = accumulator(grad_weight)
+                for t0, t1 in chunks:
+                    h = hidden[t0:t1].to(compute_dtype)
+                    gh = accumulator(None if grad_hidden is None else grad_hidden[t0:t1])
+                    for v0, v1 in tiles:
+                        ds = tile_grad(t0, t1, v0, v1, h)
+                        if gh is not None:
+                            _addmm_fp32_(gh, ds, weight[v0:v1], compute_dtype)
+                        if gw is not None:
+                            _addmm_fp32_(gw[v0:v1], ds.t(), h, compute_dtype)
+                        if grad_bias is not None:
+                            grad_bias[v0:v1] += ds.sum(dim=0)
+                        del ds
+                    flush(gh, None if grad_hidden is None else grad_hidden[t0:t1])
+                flush(gw, grad_weight)
+        return (
+            grad_hidden,
+            grad_weight,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def fused_linear_logps_at_ids(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+    token_chunk: int = 1024,
+    vocab_tile: int = 32768,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """
+    Log-probabilities at `ids` `[M, J]` of `log_softmax(transform(hidden @ weightᵀ + bias))`, differentiable w.r.t.
+    `hidden`, `weight` and `bias`, holding at most one `[token_chunk, vocab_tile]` block of logits.
+
+    Saves only the inputs and the `[M]` log-partition for the backward, which recomputes each tile. Token chunks whose
+    incoming gradient is all zero are skipped, and no weight gradient is computed for a frozen head. Negative ids are
+    padding: their output is `-inf` and receives no gradient.
+
+    Args:
+        compute_dtype (`torch.dtype`, *optional*): dtype the GEMM inputs are rounded to; products, the softmax and
+            the gradient accumulators are float32. Defaults to the inputs' dtype when `hidden` and `weight` share it,
+            float32 otherwise. Pass `torch.bfloat16` to match TRL's fused head under bf16 autocast.
+
+    Returns:
+        `torch.Tensor`: `[M, J]` float32 log-probabilities.
+    """
+    _check_inputs(hidden, weight, bias)
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
+    compute_dtype = _resolve_compute_dtype(hidden, weight, compute_dtype)
+    return _FusedLinearLogpsAtIds.apply(hidden, weight, bias, ids, transform, token_chunk, vocab_tile, compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Full-logits references (tests and benchmarks only)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _naive_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: LogitTransform
+) -> torch.Tensor:
+    acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    s = hidden.to(acc) @ weight.to(acc).t()
+    if bias is not None:
+        s = s + bias.to(acc)
+    return torch.log_softmax(transform(s), dim=-1)
+
+
+def naive_logps_at_ids(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+) -> torch.Tensor:
+    """Reference for [`fused_linear_logps_at_ids`]: full `[M, V]` float32 logits, `log_softmax`, gather (keeps grad)."""
+    logps = _naive_logps(hidden, weight, bias, transform).gather(1, ids.clamp(min=0))
+    return logps.masked_fill(ids < 0, -math.inf)
+
+
+def naive_topk_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for [`chunked_topk_logps`]: full `[M, V]` float32 logits, `log_softmax`, `topk`."""
+    values, indices = _naive_logps(hidden, weight, bias, transform).topk(k, dim=-1)
+    return values, indices
