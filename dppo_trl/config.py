@@ -15,6 +15,19 @@ VLLM_COLOCATE_MAX_LOGPROBS = 20
 # Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`).
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
+# The paper's method plus the baselines of its ablations (dppo_trl/ablations.py), all on the same μ-anchored data path.
+TRUST_REGIONS = (
+    "dppo",
+    "grpo_clip",
+    "clip_higher",
+    "cispo",
+    "pg_is",
+    "minirl",
+    "dppo_decoupled",
+    "relax_low",
+    "relax_high",
+    "relax_both",
+)
 
 
 @dataclass
@@ -84,6 +97,23 @@ class DPPOConfig(GRPOConfig):
             "choices": list(ANCHORS),
         },
     )
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Ablations only: replace DPPO's trust region by a baseline, on the same μ-anchored data path. "
+            "`grpo_clip` (ratio clip ε=`epsilon`), `clip_higher` (ε_high=0.28), `cispo` (truncated IS at 5, no "
+            "mask), `pg_is` (no trust region), `minirl` (clip on π/π_old, IS π_old/μ), `dppo_decoupled` (mask from "
+            "D(π, π_old)), `relax_low`/`relax_high`/`relax_both` (GRPO clip with the negative/positive/both sides "
+            "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). See dppo_trl/ablations.py.",
+            "choices": list(TRUST_REGIONS),
+        },
+    )
+    relax_alpha: float = field(
+        default=0.1,
+        metadata={
+            "help": "α of the `relax_*` ablations: tokens whose behaviour probability μ is below α are relaxed."
+        },
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={
@@ -118,6 +148,17 @@ class DPPOConfig(GRPOConfig):
                 f"ratio_cap must be finite and ≥ 1 (got {self.ratio_cap}). To run with the cap effectively off as the "
                 "authors did, use a large finite value such as 1e4."
             )
+        if self.trust_region not in TRUST_REGIONS:
+            raise ValueError(
+                f"trust_region={self.trust_region!r} is not supported; choose one of {list(TRUST_REGIONS)}."
+            )
+        if self.trust_region != "dppo" and self.uses_top_k:
+            raise ValueError(
+                f"trust_region={self.trust_region!r} is a sampled-token baseline; it does not use μ's top-K. Use "
+                "divergence='binary_tv' or 'binary_kl' with it."
+            )
+        if not 0.0 < self.relax_alpha <= 1.0:
+            raise ValueError(f"relax_alpha must be in (0, 1], got {self.relax_alpha}.")
         if self.anchor not in ANCHORS:
             raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
         if self.uses_top_k:

@@ -30,6 +30,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
 from dppo_trl.behavior import VLLMTopKCapture
 from dppo_trl.config import DPPOConfig
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
@@ -53,6 +54,9 @@ BEHAVIOR_LOGPS = "dppo_behavior_logps"
 BEHAVIOR_VALID = "dppo_behavior_valid"
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
+RECOMPUTED_LOGPS = "dppo_recomputed_logps"  # π_old, kept only for the ablations that need it
+# Ablation coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN.
+_ABLATION_COEF_MAX = 1e6
 
 
 @dataclass
@@ -133,6 +137,12 @@ class DPPOTrainer(GRPOTrainer):
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
 
+        if self.args.trust_region in NEEDS_OLD_LOGPS:
+            recomputed = output.get("old_per_token_logps")
+            if recomputed is None and self.use_vllm:
+                recomputed, _ = self._policy_forward(output, mask, want_topk=False)
+            if recomputed is not None:
+                output[RECOMPUTED_LOGPS] = recomputed.float()
         behavior, topk = self._behavior_policy(output, mask)
         if behavior is not None:
             behavior = behavior.float()
@@ -305,6 +315,20 @@ class DPPOTrainer(GRPOTrainer):
         else:
             mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
 
+        # The parent's ratio is exp(π − old), `old` as it reads it; this weight turns its `r·A` into `coef·A`.
+        log_ratio = pi_logps - mu_logps
+        parent_old = batch.get("old_per_token_logps") if batch is not None else None
+        parent_log_ratio = pi_logps - (pi_logps if parent_old is None else parent_old.float())
+
+        if args.trust_region != "dppo":
+            coef, div = self._ablation_coefficient(batch, pi_logps, mu_logps, adv)
+            coef = torch.where(valid, coef.clamp(max=_ABLATION_COEF_MAX), torch.zeros_like(coef))
+            keep = (coef > 0).float()
+            # In log space: r can underflow to 0 while exp(−parent_log_ratio) overflows.
+            weight = torch.where(keep > 0, torch.exp(coef.clamp(min=1e-30).log() - parent_log_ratio), 0.0)
+            self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, log_ratio, mask.bool() & valid)
+            return weight.to(pi_logps.dtype)
+
         pi_topk = mu_topk = None
         if args.uses_top_k and batch is not None and BEHAVIOR_TOPK_IDS in batch:
             pi_topk, mu_topk = self._pi_topk(batch, pi_logps, mask.bool() & valid)
@@ -315,15 +339,37 @@ class DPPOTrainer(GRPOTrainer):
             div = divergence(args.divergence, pi_logps, mu_logps, pi_topk, mu_topk)
         keep = trust_region_mask(pi_logps, mu_logps, adv, div, args.delta_low, args.delta_high) * valid
 
-        # The parent's ratio is exp(π − old), `old` as it reads it; this weight turns its `r·A` into `min(r, C)·M·A`.
-        log_ratio = pi_logps - mu_logps
-        parent_old = batch.get("old_per_token_logps") if batch is not None else None
-        parent_log_ratio = pi_logps - (pi_logps if parent_old is None else parent_old.float())
         capped_log_ratio = log_ratio.clamp(max=math.log(args.ratio_cap))
         weight = torch.where(keep > 0, torch.exp(capped_log_ratio - parent_log_ratio), torch.zeros_like(keep))
 
         self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, log_ratio, mask.bool() & valid)
         return weight.to(pi_logps.dtype)
+
+    def _ablation_coefficient(self, batch, pi_logps, mu_logps, adv):
+        """A baseline's gradient coefficient (`trust_region != "dppo"`) and, for the metrics, the binary divergence."""
+        args = self.args
+        name, kwargs = args.trust_region, {}
+        if name in ("grpo_clip", "minirl"):
+            kwargs = {"eps_low": args.epsilon, "eps_high": args.epsilon}
+        elif name == "clip_higher":
+            kwargs = {"eps_low": args.epsilon}
+        elif name == "dppo_decoupled":
+            kwargs = {
+                "divergence_kind": args.divergence,
+                "delta_low": args.delta_low,
+                "delta_high": args.delta_high,
+                "ratio_cap": args.ratio_cap,
+            }
+        elif name.startswith("relax_"):
+            name, kwargs = "relaxed_clip", {"alpha": args.relax_alpha, "relax": name.removeprefix("relax_")}
+            kwargs |= {"eps_low": args.epsilon, "eps_high": args.epsilon}
+        old = None
+        if name in NEEDS_OLD_LOGPS:
+            # Transformers generation on-policy: the generating weights are the current ones, π_old ≡ π.
+            old = batch.get(RECOMPUTED_LOGPS) if batch is not None else None
+            old = pi_logps if old is None else old.float()
+        coef = trust_region_coefficient(name, pi_logps, mu_logps, adv, old=old, **kwargs)
+        return coef.float(), divergence(args.divergence, pi_logps, mu_logps)
 
     def _pi_topk(self, batch: dict, pi_logps: torch.Tensor, valid: torch.Tensor):
         """π's log-probs at μ's TopK ∪ {y} ids, from the captured hidden states (no `[B, T, V]` logits)."""

@@ -191,3 +191,49 @@ def test_on_policy_without_behavior_keeps_everything(tiny_model_dir, tokenizer, 
         if param.grad is not None:
             _assert_grad_close(got[name], param.grad, name)
     assert trainer._metrics["train"]["dppo/mask_ratio"][-1] == 0.0
+
+
+ABLATIONS = ["grpo_clip", "clip_higher", "cispo", "pg_is", "minirl", "dppo_decoupled", "relax_low", "relax_both"]
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path, name):
+    """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.ablations)."""
+    from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
+    from dppo_trl.trainer import RECOMPUTED_LOGPS
+
+    trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, trust_region=name, delta_low=0.02, delta_high=0.001)
+    model = trainer.model
+    inputs, ids, attn, mu, valid = _crafted_batch(model, torch.Generator().manual_seed(2))
+    if name in NEEDS_OLD_LOGPS:
+        # A π_old between π and μ, so the recompute anchor differs from both.
+        inputs[RECOMPUTED_LOGPS] = (inputs["old_per_token_logps"] + 0.3).clamp(max=0.0)
+
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    assert torch.isfinite(loss)
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    adv = ADVANTAGES.unsqueeze(1).expand_as(pi)
+    kwargs = {
+        "grpo_clip": {"eps_low": 0.2, "eps_high": 0.2},
+        "clip_higher": {"eps_low": 0.2},
+        "cispo": {},
+        "pg_is": {},
+        "minirl": {"eps_low": 0.2, "eps_high": 0.2},
+        "dppo_decoupled": {"divergence_kind": "binary_tv", "delta_low": 0.02, "delta_high": 0.001, "ratio_cap": 20.0},
+        "relax_low": {"alpha": 0.1, "relax": "low", "eps_low": 0.2, "eps_high": 0.2},
+        "relax_both": {"alpha": 0.1, "relax": "both", "eps_low": 0.2, "eps_high": 0.2},
+    }[name]
+    fn = "relaxed_clip" if name.startswith("relax_") else name
+    old = inputs.get(RECOMPUTED_LOGPS)
+    coef = trust_region_coefficient(fn, pi.detach(), mu, adv, old=old, **kwargs).clamp(max=1e6) * valid
+    mask = inputs["completion_mask"].float()
+    (-(adv * coef * pi * mask).sum() / mask.sum()).backward()
+    for param_name, param in model.named_parameters():
+        if param.grad is not None:
+            _assert_grad_close(got[param_name], param.grad, param_name)
