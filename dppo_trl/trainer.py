@@ -34,7 +34,7 @@ from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
 from dppo_trl.behavior import VLLMTopKCapture
 from dppo_trl.config import DPPOConfig
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
-from dppo_trl.trust_region import divergence, trust_region_mask
+from dppo_trl.trust_region import binary_kl, divergence, trust_region_mask
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class DPPOTrainer(GRPOTrainer):
         # A non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if any)
         # still applies on top, through `self.args.off_policy_mask_threshold`.
         self.off_policy_mask_threshold = math.inf
+        # Research hooks: each is called with the per-token tensors of every loss call (see `_notify_observers`).
+        self.trust_region_observers: list = []
         self._loss_batch: dict | None = None
         self._forward_capture: _ForwardCapture | None = None
         self._vllm_topk: VLLMTopKCapture | None = None
@@ -393,7 +395,26 @@ class DPPOTrainer(GRPOTrainer):
         mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
         return pi_topk, mu_topk
 
+    def _notify_observers(self, pi_logps, mu_logps, adv, div, keep, valid) -> None:
+        """Hand the per-token view of this loss call to `trust_region_observers` (e.g. the paper's Fig. 6 analysis)."""
+        capture, batch = self._forward_capture, self._loss_batch
+        view = {
+            "completion_ids": batch["completion_ids"] if batch is not None else None,
+            "valid": valid,
+            "keep": keep,
+            "pi_logps": pi_logps,
+            "mu_logps": mu_logps,
+            "advantages": adv,
+            "divergence": div,
+            "entropies": capture.entropies.detach() if capture is not None and capture.entropies is not None else None,
+            "mode": "train" if self.model.training else "eval",
+        }
+        for observer in self.trust_region_observers:
+            observer(view)
+
     def _log_trust_region_metrics(self, pi_logps, mu_logps, adv, div, keep, log_ratio, valid) -> None:
+        if self.trust_region_observers:
+            self._notify_observers(pi_logps, mu_logps, adv, div, keep, valid)
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         tokens = valid.float()
@@ -411,6 +432,7 @@ class DPPOTrainer(GRPOTrainer):
             "masked_neg": (masked * neg).sum(),
             "div": (div * tokens).sum(),
             "mismatch": ((pi_p - mu_p).abs() * tokens).sum(),
+            "mismatch_kl": (binary_kl(pi_logps, mu_logps) * tokens).sum(),
             "ratio": (ratio * tokens).sum(),
             "capped": ((log_ratio > math.log(self.args.ratio_cap)).float() * tokens).sum(),
             "masked_mu_prob": (mu_p * masked).sum(),
@@ -436,6 +458,7 @@ class DPPOTrainer(GRPOTrainer):
         metrics["dppo/divergence_max"].append(div_max)
         metrics["dppo/mismatch_abs_mean"].append(ratio_of("mismatch", "tokens"))
         metrics["dppo/mismatch_abs_max"].append(mismatch_max)
+        metrics["dppo/mismatch_kl_mean"].append(ratio_of("mismatch_kl", "tokens"))
         metrics["dppo/ratio_mean"].append(ratio_of("ratio", "tokens"))
         metrics["dppo/ratio_max"].append(ratio_max)
         metrics["dppo/ratio_capped_frac"].append(ratio_of("capped", "tokens"))
