@@ -237,3 +237,39 @@ def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_pa
     for param_name, param in model.named_parameters():
         if param.grad is not None:
             _assert_grad_close(got[param_name], param.grad, param_name)
+
+
+def test_tool_mask_tokens_carry_no_gradient(tiny_model_dir, tokenizer, tmp_path):
+    """Tool-result tokens (TRL's `tool_mask` = 0, engine μ = 0.0) are outside the loss and the metrics."""
+    trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, delta_low=0.02, delta_high=0.001, ratio_cap=2.0)
+    model = trainer.model
+    inputs, ids, attn, mu, valid = _crafted_batch(model, torch.Generator().manual_seed(3))
+    tool_mask = torch.ones_like(inputs["completion_mask"])
+    tool_mask[:, 1:3] = 0
+    inputs["tool_mask"] = tool_mask
+    for key in ("old_per_token_logps", BEHAVIOR_LOGPS):
+        inputs[key] = inputs[key].masked_fill(tool_mask == 0, 0.0)
+    inputs[BEHAVIOR_VALID] = inputs[BEHAVIOR_VALID] | (tool_mask == 0)
+    inputs["num_items_in_batch"] = (inputs["completion_mask"] * tool_mask).sum()
+
+    seen = []
+    trainer.trust_region_observers.append(seen.append)
+    model.zero_grad()
+    trainer._compute_loss(model, inputs).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(seen) == 1
+    assert not seen[0]["valid"][tool_mask == 0].any(), "tool tokens must not enter the trust-region metrics"
+    assert seen[0]["valid"][(tool_mask == 1) & (inputs["completion_mask"] == 1) & valid].all()
+
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    adv = ADVANTAGES.unsqueeze(1)
+    mu_ref = inputs[BEHAVIOR_LOGPS]
+    keep = trust_region_mask(pi.detach(), mu_ref, adv, divergence("binary_tv", pi.detach(), mu_ref), 0.02, 0.001)
+    mask = (inputs["completion_mask"] * tool_mask).float()
+    per_token = dppo_per_token_loss(pi, mu_ref, adv, keep * inputs[BEHAVIOR_VALID], 2.0)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            _assert_grad_close(got[name], param.grad, name)
