@@ -139,3 +139,27 @@ def test_mu_is_the_engine_sampled_logprob(tiny_model_dir, tmp_path, master_port,
     if divergence == "topk_tv":
         # With logprobs=K the engine lists the top-1 first; the sampled token must still be found by id.
         assert not_top1 > 0, "every sampled token was the top-1: the lp[0] trap would go unnoticed"
+
+
+def test_recompute_anchor_is_explicit_and_costs_one_forward(tiny_model_dir, tmp_path, master_port):
+    """`anchor="recompute"` (ablation) anchors on the trainer's π_old: one extra log-prob pass per generation."""
+    with pytest.warns(UserWarning, match="is an ablation"):
+        trainer = make_trainer(tiny_model_dir, tmp_path, anchor="recompute", max_steps=1, **VLLM)
+    engine_calls = _spy_engine(trainer)
+    batches = _spy_loss_batches(trainer)
+    passes = _spy_policy_passes(trainer)
+    trainer.train()
+    assert passes == [1]
+    batch = batches[0]
+    engine = {}
+    for token_ids, entries in _sampled_entries(engine_calls[0]):
+        engine[tuple(token_ids)] = [entry[tok].logprob for tok, entry in zip(token_ids, entries, strict=True)]
+    differs = 0
+    for row in range(batch["completion_ids"].size(0)):
+        n = int(batch["completion_mask"][row].sum())
+        engine_lps = torch.tensor(engine[tuple(batch["completion_ids"][row, :n].tolist())])
+        anchor = batch[BEHAVIOR_LOGPS][row, :n]
+        # fp32 engine and trainer agree closely, but the anchor is the trainer's own number, not the engine's.
+        torch.testing.assert_close(anchor, engine_lps, atol=1e-4, rtol=0)
+        differs += int((anchor != engine_lps).any())
+    assert differs > 0
