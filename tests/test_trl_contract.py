@@ -93,7 +93,16 @@ def test_config_fields_exist():
     assert not missing, f"GRPOConfig lost fields {missing}"
     # DPPOConfig's own fields must not shadow GRPOConfig's (e.g. GRPO's `delta`).
     own = {f.name for f in dataclasses.fields(DPPOConfig)} - fields
-    assert own == {"divergence", "delta_low", "delta_high", "divergence_top_k", "ratio_cap", "anchor"}
+    assert own == {
+        "divergence",
+        "delta_low",
+        "delta_high",
+        "divergence_top_k",
+        "ratio_cap",
+        "anchor",
+        "trust_region",
+        "relax_alpha",
+    }
 
 
 def test_trainer_attributes_are_set_by_grpo_init():
