@@ -18,8 +18,8 @@ Log-probabilities of a few token ids per position, without materializing the `[N
 Top-K DPPO needs, for each completion token, the trainer policy's log-probabilities at the behaviour policy's top-K
 ids plus the sampled id. Only the sampled id's log-probability needs a gradient. Every function here takes the final
 hidden states of the valid positions (`hidden [M, H]`), the LM head `weight [V, H]` and an optional `bias [V]`, and
-applies the same logit transform as TRL's fused LM head (see [`LogitTransform`]). Outputs are float32 (float64 for float64 inputs, for `gradcheck`); id slots set to
-a negative value (padding) give `-inf`.
+applies the same logit transform as TRL's fused LM head (see [`LogitTransform`]). Outputs are float32 (float64 for
+float64 inputs, for `gradcheck`); id slots set to a negative value (padding) give `-inf`.
 
 - [`logps_at_ids_from_anchor`]: no-grad, `J + 1` dot products per row, from a log-probability already known for one
   id per row (design B: the log-partition cancels).
@@ -40,8 +40,8 @@ from packaging.version import Version
 
 # `torch.mm(..., out_dtype=torch.float32)` from bf16/fp16 inputs exists on CUDA from torch 2.8 (not on CPU)
 _MM_OUT_DTYPE = Version(torch.__version__.split("+")[0]) >= Version("2.8.0")
-
-
+# Default budget of the float32 weight rows `logps_at_ids_from_anchor` gathers per token chunk
+_ANCHOR_CHUNK_BYTES = 128 * 2**20
 # Loop order of the fused backward: None picks the one with the smaller float32 accumulator; "token" or "vocab" forces
 # one (tests)
 _BACKWARD_ORDER: str | None = None
@@ -196,12 +196,13 @@ def _no_autocast(device: torch.device):
 
 
 def _lm_head_gather_ctx(weight: torch.Tensor, bias: torch.Tensor | None):
-    """TRL's ZeRO-3 gather of a partitioned head (a null context when ZeRO-3 is off)."""
-    try:
-        from trl.trainer.utils import maybe_gather_lm_head_ctx
-    except ImportError:  # pragma: no cover - TRL is a hard dependency of the package
+    """TRL's ZeRO-3 gather of a partitioned head; a null context for anything that is not a ZeRO-3 parameter."""
+    params = [p for p in (weight, bias) if p is not None and hasattr(p, "ds_status")]
+    if not params:
         return nullcontext()
-    return maybe_gather_lm_head_ctx(weight, bias)
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    return maybe_gather_lm_head_ctx(*params)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def logps_at_ids_from_anchor(
     *,
     bias: torch.Tensor | None = None,
     transform: LogitTransform = LogitTransform(),
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """
     Log-probabilities at `ids` from the log-probability of one anchor id per row, with no gradient.
@@ -236,8 +237,9 @@ def logps_at_ids_from_anchor(
         anchor_logps (`torch.Tensor`): `[M]` log-probabilities of `anchor_ids` under the same model and transform.
         bias (`torch.Tensor`, *optional*): LM head bias `[V]`.
         transform ([`LogitTransform`]): logit transform (temperature, logit scale, softcap).
-        chunk_size (`int`): token rows per chunk. Each chunk gathers `chunk_size × (J + 1) × H` float32 weights
-            (about 370 MiB for 1024 × 22 × 4096), never the whole `[M, J + 1, H]`.
+        chunk_size (`int`, *optional*): token rows per chunk. Each chunk gathers `chunk_size × (J + 1) × H` float32
+            weights, never the whole `[M, J + 1, H]`. Defaults to the rows that fit in about 128 MiB (372 rows for
+            J + 1 = 22 and H = 4096).
 
     Returns:
         `torch.Tensor`: `[M, J]` float32 log-probabilities.
@@ -249,6 +251,8 @@ def logps_at_ids_from_anchor(
     if anchor_ids.shape != (M,) or anchor_logps.shape != (M,):
         raise ValueError(f"expected anchor_ids and anchor_logps of shape [{M}]")
     acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    if chunk_size is None:
+        chunk_size = max(1, _ANCHOR_CHUNK_BYTES // ((J + 1) * hidden.shape[1] * 4))
     out = torch.empty((M, J), device=hidden.device, dtype=acc)
     with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
         for t0 in range(0, M, chunk_size):
@@ -423,9 +427,11 @@ class _FusedLinearLogpsAtIds(torch.autograd.Function):
         # Gradients of float32 tensors accumulate in place. Low-precision ones need float32 accumulators; a gradient
         # is complete after its inner loop, so the inner loop's gradient needs only a chunk- or tile-sized one.
         # Pick the loop order whose full-size accumulator is smaller (lm_head [V, H] vs hidden [M, H]).
-        h_acc_size = M * H if need_h and hidden.dtype != acc else 0
-        w_acc_size = V * H if need_w and weight.dtype != acc else 0
-        vocab_outer = _BACKWARD_ORDER == "vocab" or (_BACKWARD_ORDER is None and h_acc_size < w_acc_size)
+        h_acc = need_h and hidden.dtype != acc
+        w_acc = need_w and weight.dtype != acc
+        token_outer_size = (V * H if w_acc else 0) + (min(token_chunk, M) * H if h_acc else 0)
+        vocab_outer_size = (min(vocab_tile, V) * H if w_acc else 0) + (M * H if h_acc else 0)
+        vocab_outer = _BACKWARD_ORDER == "vocab" or (_BACKWARD_ORDER is None and vocab_outer_size < token_outer_size)
 
         def tile_grad(t0: int, t1: int, v0: int, v1: int, h: torch.Tensor) -> torch.Tensor:
             """Recompute one tile and return `dL/ds` (gradient w.r.t. the raw logits), float32."""
@@ -550,7 +556,7 @@ def naive_logps_at_ids(
     bias: torch.Tensor | None = None,
     transform: LogitTransform = LogitTransform(),
 ) -> torch.Tensor:
-    """Reference for [`fused_linear_logps_at_ids`]: full `[M, V]` float32 logits, `log_softmax`, gather (keeps grad)."""
+    """Reference for [`fused_linear_logps_at_ids`]: full `[M, V]` float32 logits, `log_softmax`, gather (with grad)."""
     logps = _naive_logps(hidden, weight, bias, transform).gather(1, ids.clamp(min=0))
     return logps.masked_fill(ids < 0, -math.inf)
 

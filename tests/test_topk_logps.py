@@ -415,3 +415,39 @@ def test_cuda_bf16_matches_float32_reference():
     )
     assert_logps_close(anchored, ref.detach(), ids, atol=1e-4)
     assert math.isfinite(float(out[~(ids < 0)].sum()))
+
+
+def test_benchmark_variants_agree():
+    # The benchmark's workers, in-process on tiny sizes: every variant computes the same DPPO stand-in loss
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "topk_memory.py"
+    spec = importlib.util.spec_from_file_location("topk_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    losses = {}
+    for variant in bench.VARIANTS:
+        args = bench.parse_args(
+            ["--n-tokens", "40", "--hidden", "16", "--vocab", "500", "--vocab-tile", "128", "--token-chunk", "16"]
+            + ["--worker", variant]
+        )
+        result = bench.run_worker(args)
+        assert result["peak_extra_mib"] >= 0 and result["time_s"] > 0
+        losses[variant] = result["loss"]
+    for variant, loss in losses.items():
+        assert loss == pytest.approx(losses["naive"], rel=1e-5), variant
+
+
+def test_empty_batch():
+    # A micro-batch without valid completion tokens
+    _, weight, _ = make_inputs()
+    hidden = torch.zeros(0, H, requires_grad=True)
+    ids = torch.zeros(0, K + 1, dtype=torch.long)
+    out = fused_linear_logps_at_ids(hidden, weight, ids)
+    assert out.shape == (0, K + 1)
+    out.sum().backward()
+    assert hidden.grad.shape == (0, H)
+    assert logps_at_ids_from_anchor(hidden, weight, ids, ids[:, 0], torch.zeros(0)).shape == (0, K + 1)
+    logps, top_ids = chunked_topk_logps(hidden, weight, K)
+    assert logps.shape == top_ids.shape == (0, K)
