@@ -74,7 +74,10 @@ def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora
         tiny_model_dir, tmp_path, peft_config=LORA if lora else None, divergence=divergence, max_steps=2, **VLLM
     )
     before = snapshot_trainable(trainer)
+    passes = _spy_policy_passes(trainer)
     trainer.train()
+    # DPPO's saving: μ comes from the engine and no optimizer step falls in between, so nothing recomputes π_old.
+    assert passes == []
     changed = changed_parameters(trainer, before)
     assert changed and (not lora or all("lora_" in n for n in changed))
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
@@ -96,15 +99,24 @@ def _sampled_entries(request_outputs):
 
 @pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
 def test_mu_is_the_engine_sampled_logprob(tiny_model_dir, tmp_path, master_port, divergence):
-    trainer = make_trainer(tiny_model_dir, tmp_path, divergence=divergence, max_steps=1, temperature=0.7, **VLLM)
+    # steps_per_generation=2: one generation batch is shuffled and split into two loss batches.
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, divergence=divergence, max_steps=2, steps_per_generation=2, temperature=0.7, **VLLM
+    )
     engine_calls = _spy_engine(trainer)
     batches = _spy_loss_batches(trainer)
     passes = _spy_policy_passes(trainer)
     trainer.train()
 
-    assert len(engine_calls) == 1 and len(batches) == 1
-    assert passes == [], "the trainer recomputed π_old while generating: μ must come from the engine alone"
-    batch = batches[0]
+    assert len(engine_calls) == 1 and len(batches) == 2
+    # An optimizer step falls between generation and the second loss batch, so TRL itself computes π_old (one pass);
+    # DPPO must still anchor on the engine's μ, which the token-by-token check below proves.
+    assert passes == [1]
+    batch = {
+        k: torch.cat([b[k] for b in batches])
+        for k in batches[0]
+        if torch.is_tensor(batches[0][k]) and batches[0][k].dim() > 0
+    }
     rows = _sampled_entries(engine_calls[0])
     completion_ids, mask = batch["completion_ids"], batch["completion_mask"]
     mu, valid = batch[BEHAVIOR_LOGPS], batch[BEHAVIOR_VALID]
