@@ -1,0 +1,241 @@
+"""`examples/train_dapo_math.py`: recipe parsing, CPU defaults, a short end-to-end run, evaluation and model card."""
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "recipes", "*.yaml")))
+GPU_RECIPES = [r for r in RECIPES if not os.path.basename(r).startswith("tiny")]
+TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
+TINY_TEST = os.path.join(ROOT, "examples", "data", "tiny_math", "test.jsonl")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location(
+        "train_dapo_math", os.path.join(ROOT, "examples", "train_dapo_math.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_dapo_math"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- recipes ------------------------------------------------------------------------------------------------------
+def test_there_are_recipes():
+    names = {os.path.basename(r) for r in RECIPES}
+    assert {"qwen3_1.7b_base_dapo_math.yaml", "qwen3_8b_base_dapo_math.yaml", "tiny_math_cpu.yaml"} <= names
+    assert any("server" in n for n in names) and any("lora" in n for n in names)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
+def test_recipe_parses_into_dppo_config(example, recipe):
+    from dppo_trl import DPPOConfig
+
+    script_args, training_args, model_args = example.parse_args(["--config", recipe])
+    assert isinstance(training_args, DPPOConfig)
+    assert model_args.model_name_or_path and script_args.dataset_name
+    assert training_args.divergence in ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+    assert training_args.top_p == 1.0 and training_args.top_k == 0  # truncation would bias mu
+
+
+def _accelerate_config(recipe: str) -> dict:
+    with open(recipe) as f:
+        match = re.search(r"--config_file (\S+\.yaml)", f.read())
+    assert match, f"{recipe} names no accelerate config in its header"
+    with open(os.path.join(ROOT, match.group(1))) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
+def test_gpu_recipes_match_the_authors_batch_shape(example, recipe):
+    _, args, model_args = example.parse_args(["--config", recipe])
+    processes = _accelerate_config(recipe)["num_processes"]
+    completions_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    completions_per_rollout = args.per_device_train_batch_size * args.steps_per_generation * processes
+    # 256 prompts x 16 samples per rollout, mini-batches of 32 prompts: 8 optimizer steps per rollout, 500 rollouts.
+    assert args.num_generations == 16
+    assert completions_per_rollout == 256 * 16
+    assert completions_per_step == 32 * 16
+    assert args.max_steps == 500 * 8 and args.num_iterations == 1
+    assert args.max_completion_length == 8192 and args.temperature == 1.0
+    assert args.beta == 0.0 and args.entropy_coef == 0.0 and args.scale_rewards == "none"
+    assert args.delta_low == args.delta_high == (0.15 if args.divergence.endswith("tv") else 0.05)
+    assert args.learning_rate == (1e-5 if model_args.use_peft else 1e-6)
+    assert args.use_vllm and not args.vllm_importance_sampling_correction
+
+
+def test_moe_lora_recipe_keeps_router_loss_and_targets_experts(example):
+    (recipe,) = [r for r in RECIPES if "lora" in r]
+    _, args, model_args = example.parse_args(["--config", recipe])
+    assert args.model_init_kwargs["output_router_logits"] is True
+    assert model_args.use_peft and set(model_args.lora_target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert model_args.lora_target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_moe_lora_targets_exist_in_qwen3_moe():
+    # The recipe's target names must resolve on a real Qwen3-MoE module tree (tiny config, same structure).
+    from peft import LoraConfig, get_peft_model
+
+    from dppo_trl.tiny_models import build_tiny_model
+
+    model, _ = build_tiny_model("qwen3_moe")
+    config = LoraConfig(
+        r=2,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    names = [n for n, _ in get_peft_model(model, config).named_parameters() if "lora_A" in n]
+    assert any("experts" in n for n in names) and any("q_proj" in n for n in names)
+
+
+def test_accelerate_configs_are_valid_yaml():
+    configs = glob.glob(os.path.join(ROOT, "examples", "recipes", "accelerate", "*.yaml"))
+    kinds = {yaml.safe_load(open(c))["distributed_type"] for c in configs}
+    assert {"DEEPSPEED", "FSDP"} <= kinds
+    fsdp = yaml.safe_load(open(os.path.join(ROOT, "examples", "recipes", "accelerate", "fsdp2.yaml")))
+    assert fsdp["fsdp_config"]["fsdp_version"] == 2
+
+
+def test_tiny_recipe_is_the_no_argument_run(example):
+    with open(os.path.join(ROOT, "examples", "recipes", "tiny_math_cpu.yaml")) as f:
+        recipe = yaml.safe_load(f)
+    for key, value in {**example.TINY_RUN_DEFAULTS, **example.TINY_EVAL_DEFAULTS}.items():
+        assert recipe[key] == value, key
+
+
+# --- defaults -----------------------------------------------------------------------------------------------------
+def test_no_arguments_gives_the_cpu_demo(example):
+    import torch
+
+    script_args, args, model_args = example.parse_args([])
+    assert model_args.model_name_or_path is None  # resolved in main()
+    assert args.learning_rate == example.TINY_RUN_DEFAULTS["learning_rate"]
+    assert args.generation_batch_size == example.TINY_RUN_DEFAULTS["per_device_train_batch_size"]
+    if not torch.cuda.is_available():
+        assert args.use_cpu and not args.bf16
+    assert example.resolve_model_and_data(script_args, model_args)
+    assert model_args.model_name_or_path == TINY_MODEL and script_args.math_eval_datasets[0].endswith("test.jsonl")
+
+
+def test_user_choices_win_over_demo_defaults(example, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("learning_rate: 0.01\nbf16: true\n")
+    _, args, _ = example.parse_args(["--config", str(config), "--max_steps", "7"])
+    assert args.learning_rate == 0.01 and args.max_steps == 7 and args.bf16
+    assert args.num_generations == example.TINY_RUN_DEFAULTS["num_generations"]
+    # With a real model, the demo settings do not apply.
+    _, args, _ = example.parse_args(["--model_name_or_path", "Qwen/Qwen3-8B-Base"])
+    assert args.learning_rate == 1e-6
+
+
+def test_real_model_needs_a_dataset(example):
+    script_args, _, model_args = example.parse_args(["--model_name_or_path", "Qwen/Qwen3-8B-Base"])
+    with pytest.raises(ValueError, match="dataset_name"):
+        example.resolve_model_and_data(script_args, model_args)
+    script_args.dataset_name = "BytedTsinghua-SIA/DAPO-Math-17k"
+    assert not example.resolve_model_and_data(script_args, model_args)
+    assert script_args.math_eval_datasets == ["aime24", "aime25"]
+
+
+def test_plot_with_nothing_to_plot(example, tmp_path):
+    assert example.plot_training_curves([{"step": 1, "loss": 0.1}], str(tmp_path / "x.png")) is None
+
+
+# --- end to end on the bundled tiny model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_run(example, tmp_path_factory):
+    """Two optimizer steps of the no-argument recipe, with a small evaluation every step."""
+    if not os.path.exists(os.path.join(TINY_MODEL, "config.json")):
+        pytest.skip("bundled tiny model missing: run scripts/make_tiny_math_model.py")
+    out = str(tmp_path_factory.mktemp("dapo_run"))
+    argv = "--max_steps 2 --per_device_train_batch_size 16 --num_generations 4 --logging_steps 1".split()
+    argv += "--math_eval_steps 1 --math_eval_num_samples 2 --max_eval_samples 6 --output_dir".split() + [out]
+    trainer = example.main(*example.parse_args(argv))
+    return trainer, out
+
+
+def test_short_run_logs_training_and_eval_metrics(short_run):
+    trainer, out = short_run
+    history = trainer.state.log_history
+    train = [e for e in history if "reward" in e]
+    evals = [e for e in history if "eval/tiny_math_test/avg@2" in e]
+    assert len(train) == 2 and all("rewards/accuracy_reward/mean" in e for e in train)
+    assert [e["step"] for e in evals] == [0, 1, 2]  # before training, then every step (no duplicate at the end)
+    assert all(0.0 <= e["eval/tiny_math_test/avg@2"] <= e["eval/tiny_math_test/pass@2"] <= 1.0 for e in evals)
+    assert os.path.getsize(os.path.join(out, "training_curves.png")) > 1000
+    assert json.load(open(os.path.join(out, "log_history.json"))) == json.loads(json.dumps(history))
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+
+
+def test_short_run_model_card(short_run):
+    trainer, out = short_run
+    card = open(os.path.join(out, "README.md")).read()
+    assert "## Training recipe" in card and "## Evaluation" in card and "eval/tiny_math_test/avg@2" in card
+    assert "dppo" in card and "2602.04879" in card  # the trainer's tags and citation survive
+    # What push_to_hub does: the card is regenerated with the dataset name, and still carries the recipe.
+    trainer.create_model_card(model_name="m", dataset_name="BytedTsinghua-SIA/DAPO-Math-17k", tags=["math"])
+    card = open(os.path.join(out, "README.md")).read()
+    header = yaml.safe_load(card.split("---")[1])
+    assert "BytedTsinghua-SIA/DAPO-Math-17k" in str(header["datasets"])
+    assert "math" in header["tags"] and "dppo" in header["tags"]
+    assert card.count("## Training recipe") == 1
+
+
+# --- evaluation callback ------------------------------------------------------------------------------------------
+def test_eval_callback_hf_path_restores_train_mode(short_run):
+    from dppo_trl.dapo_data import load_aime
+    from dppo_trl.eval_callback import MathEvalCallback
+
+    trainer, _ = short_run
+    data = load_aime(TINY_TEST, max_samples=5)
+    callback = MathEvalCallback(trainer, {"fixture": data}, num_samples=3)
+    trainer.model.train()
+    metrics = callback.evaluate()
+    assert trainer.model.training
+    assert set(metrics) == {"eval/fixture/avg@3", "eval/fixture/pass@3", "eval/fixture/mean_length"}
+    assert 0 < metrics["eval/fixture/mean_length"] <= trainer.args.max_completion_length
+    assert trainer.state.log_history[-1]["eval/fixture/avg@3"] == metrics["eval/fixture/avg@3"]
+    assert callback.latest == metrics
+
+
+class _FakeVLLMGeneration:
+    """Stands in for `trainer.vllm_generation`: answers every prompt with a fixed completion."""
+
+    def __init__(self, tokenizer, text):
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        self.synced, self.calls = 0, []
+
+    def sync_weights(self):
+        self.synced += 1
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        self.calls.append((len(prompts), num_generations))
+        n = len(prompts) * num_generations
+        return prompts, [list(self.ids) for _ in range(n)], None, None
+
+
+def test_eval_callback_uses_the_trainers_vllm_engine(short_run, monkeypatch):
+    from datasets import Dataset
+
+    from dppo_trl.eval_callback import MathEvalCallback
+
+    trainer, _ = short_run
+    fake = _FakeVLLMGeneration(trainer.processing_class, "Answer: 4")
+    monkeypatch.setattr(trainer, "use_vllm", True, raising=False)
+    monkeypatch.setattr(trainer, "vllm_generation", fake, raising=False)
+    monkeypatch.setattr(trainer, "_last_loaded_step", -1, raising=False)
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": q}], "ground_truth": a} for q, a in [("2+2?", "4"), ("1+2?", "3")]]
+    )
+    metrics = MathEvalCallback(trainer, {"fake": data}, num_samples=4).evaluate()
+    assert fake.calls == [(2, 4)] and fake.synced == 1  # weights pushed once, one batched call
+    assert metrics["eval/fake/avg@4"] == 0.5 and metrics["eval/fake/pass@4"] == 0.5
+    assert metrics["eval/fake/mean_length"] == len("Answer: 4")
