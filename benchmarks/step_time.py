@@ -19,15 +19,9 @@ Prints one JSON object to stdout (worker logs go to stderr with `--verbose`):
 
 import os
 
-for _name, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_name, _value)
+from dppo_trl.offline import set_offline_env  # noqa: E402
+
+set_offline_env()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -22,17 +22,9 @@ Times are medians over `--repeats`. Prints one JSON object to stdout:
 
 import os
 
-for _name, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # Keep the engine in this process (no `__main__` re-import, no IPC in the timings).
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}.items():
-    os.environ.setdefault(_name, _value)
+from dppo_trl.offline import set_offline_env  # noqa: E402
+
+set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this process (no IPC in the timings)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

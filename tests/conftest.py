@@ -5,15 +5,9 @@ import os
 import socket
 
 # Must happen before transformers / TRL / datasets are imported anywhere in the test session.
-for _name, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_name, _value)
+from dppo_trl.offline import set_offline_env  # noqa: E402
+
+set_offline_env()
 
 import pytest  # noqa: E402
 
