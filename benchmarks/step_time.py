@@ -37,11 +37,9 @@ from pathlib import Path  # noqa: E402
 
 TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
-MODEL_PRESETS = {
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128),
-    "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=512),
-    "medium": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1024),
-}
+from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
+
+MODEL_PRESETS = QWEN3_SIZE_PRESETS
 PORTS = range(29760, 29800)
 PROMPTS = [
     "Write a short poem about the sea.",

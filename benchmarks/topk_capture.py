@@ -38,10 +38,9 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODEL_PRESETS = {
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128),
-    "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=512),
-}
+from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
+
+MODEL_PRESETS = QWEN3_SIZE_PRESETS
 PROMPTS = [
     "Write a short poem about the sea.",
     "Explain gradient descent in one line.",

@@ -27,6 +27,7 @@ __all__ = [
     "ENDOFTEXT_ID",
     "IM_END_ID",
     "IM_START_ID",
+    "QWEN3_SIZE_PRESETS",
     "TOKENIZER_VOCAB_SIZE",
     "build_byte_tokenizer",
     "build_tiny_model",
@@ -52,6 +53,13 @@ CHATML_TEMPLATE = (
 )
 
 ModelKind = Literal["qwen3", "qwen3_moe"]
+
+# Named Qwen3 sizes for benchmarks (`tiny_qwen3_config` overrides), all loadable by vLLM's CPU backend.
+QWEN3_SIZE_PRESETS = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=512),
+    "medium": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1024),
+}
 
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
