@@ -126,6 +126,11 @@ class DPPOTrainer(GRPOTrainer):
             self._check_vllm_server()
             if self.args.uses_top_k and self.args.anchor == "behavior":
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
+                gen_kwargs = self.vllm_generation.generation_kwargs
+                if self.vllm_mode == "colocate" and "stop" not in gen_kwargs:
+                    # TRL's colocate path reads token ids only; without this vLLM also decodes all K+1 candidate
+                    # tokens of every position to text, which dominates generation on small models.
+                    gen_kwargs.setdefault("detokenize", False)
 
     # ------------------------------------------------------------------------------------------------------------
     # Seams (each a thin wrapper around GRPOTrainer's method)

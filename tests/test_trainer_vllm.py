@@ -73,6 +73,10 @@ def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora
     trainer = make_trainer(
         tiny_model_dir, tmp_path, peft_config=LORA if lora else None, divergence=divergence, max_steps=2, **VLLM
     )
+    # Top-K reads only token ids from the engine: its candidate tokens are not decoded to text.
+    assert trainer.vllm_generation.generation_kwargs.get("detokenize") is (
+        False if divergence.startswith("topk") else None
+    )
     before = snapshot_trainable(trainer)
     passes = _spy_policy_passes(trainer)
     trainer.train()
