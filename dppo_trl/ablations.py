@@ -122,6 +122,28 @@ def minirl_coefficient(
 
 
 @torch.no_grad()
+def _capped_ratio_with_mask(
+    pi: Tensor,
+    mu: Tensor,
+    adv: Tensor,
+    anchor: Tensor,
+    divergence_kind: str,
+    delta_low: float | None,
+    delta_high: float | None,
+    ratio_cap: float,
+    pi_topk: Tensor | None,
+    anchor_topk: Tensor | None,
+) -> Tensor:
+    """min(π/μ, C) · M, with the eq.-12 mask M taken against `anchor` (μ for DPPO, π_old for the decoupled variant)."""
+    d_low = default_delta(divergence_kind) if delta_low is None else delta_low
+    d_high = default_delta(divergence_kind) if delta_high is None else delta_high
+    div = divergence(divergence_kind, pi, anchor, pi_topk, anchor_topk)
+    mask = trust_region_mask(pi, anchor, adv, div, d_low, d_high)
+    coef = ratio_coefficient(pi, mu, ratio_cap)
+    return coef * mask.to(coef.dtype)
+
+
+@torch.no_grad()
 def dppo_coefficient(
     pi: Tensor,
     mu: Tensor,
@@ -135,12 +157,9 @@ def dppo_coefficient(
 ) -> Tensor:
     """DPPO (eqs. 11-12): coef = min(π/μ, C) · M with the mask from D(π, μ). δ defaults to the authors' values;
     C defaults to no cap (the authors' runs used 10000, effectively off)."""
-    d_low = default_delta(divergence_kind) if delta_low is None else delta_low
-    d_high = default_delta(divergence_kind) if delta_high is None else delta_high
-    div = divergence(divergence_kind, pi, mu, pi_topk, mu_topk)
-    mask = trust_region_mask(pi, mu, adv, div, d_low, d_high)
-    coef = ratio_coefficient(pi, mu, ratio_cap)
-    return coef * mask.to(coef.dtype)
+    return _capped_ratio_with_mask(
+        pi, mu, adv, mu, divergence_kind, delta_low, delta_high, ratio_cap, pi_topk, mu_topk
+    )
 
 
 @torch.no_grad()
@@ -158,12 +177,9 @@ def dppo_decoupled_coefficient(
 ) -> Tensor:
     """DPPO with the trust region anchored on the recompute: coef = min(π/μ, C) · M, M from D(π, π_old) and the
     direction π vs π_old (eq. 12 with μ replaced by π_old); the ratio stays π/μ."""
-    d_low = default_delta(divergence_kind) if delta_low is None else delta_low
-    d_high = default_delta(divergence_kind) if delta_high is None else delta_high
-    div = divergence(divergence_kind, pi, old, pi_topk, old_topk)
-    mask = trust_region_mask(pi, old, adv, div, d_low, d_high)
-    coef = ratio_coefficient(pi, mu, ratio_cap)
-    return coef * mask.to(coef.dtype)
+    return _capped_ratio_with_mask(
+        pi, mu, adv, old, divergence_kind, delta_low, delta_high, ratio_cap, pi_topk, old_topk
+    )
 
 
 @torch.no_grad()
