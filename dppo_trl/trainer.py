@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 # μ of a valid token is clamped here before GRPOTrainer exponentiates `log π − μ`: exp(60) is finite in fp32, and the
 # weight returned by `get_off_policy_mask` is computed against the clamped value, so the product stays exact.
 _MU_FLOOR = -60.0
+_LOGP_ROUNDING = 1e-6
 # GRPOTrainer's clip metrics; with the clip opened they are always 0, so they are dropped to avoid misleading logs.
 _GRPO_CLIP_METRICS = (
     "clip_ratio/low_mean",
@@ -153,7 +154,9 @@ class DPPOTrainer(GRPOTrainer):
         behavior, topk = self._behavior_policy(output, mask)
         if behavior is not None:
             behavior = behavior.float()
-            valid = torch.isfinite(behavior) & (behavior <= 0)
+            # A log-prob a hair above 0 is rounding (p = 1); anything larger, NaN or ±inf is not a probability.
+            valid = torch.isfinite(behavior) & (behavior <= _LOGP_ROUNDING)
+            behavior = behavior.clamp(max=0.0)
             invalid = (~valid & mask.bool()).sum()
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["dppo/invalid_behavior_logps"].append(self.accelerator.gather(invalid).sum().item())

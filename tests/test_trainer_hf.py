@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from peft import LoraConfig
 from trainer_setup import changed_parameters, logged, make_trainer, prompt_dataset, snapshot_trainable
 
@@ -102,3 +103,38 @@ def test_eval_during_training_logs_dppo_metrics(tiny_model_dir, tmp_path):
     evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     assert evals and math.isfinite(evals[-1]["eval_loss"])
     assert evals[-1]["eval_dppo/mask_ratio"] == 0.0  # eval generates on-policy
+
+
+@pytest.mark.slow
+def test_unusable_engine_logprobs_are_masked_and_counted(tiny_model_dir, tmp_path, monkeypatch):
+    """NaN / ±inf / positive engine log-probs never reach the loss as NaN: masked, counted, loss finite."""
+    from trl import GRPOTrainer
+
+    from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
+
+    original = GRPOTrainer._generate_and_score_completions
+    bad_values = [float("nan"), float("-inf"), float("inf"), 0.5, 1e-7]
+
+    def with_engine_logprobs(self, inputs):
+        output = original(self, inputs)
+        # Stand in for an engine's μ: the generating weights' log-probs, with some unusable entries.
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        with torch.no_grad():
+            mu, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attn, output["completion_ids"].size(1))
+        for row, value in enumerate(bad_values):
+            mu[row, 0] = value
+        output["sampling_per_token_logps"] = mu
+        return output
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", with_engine_logprobs)
+    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_train_batch_size=8, max_steps=1)
+    batches = []
+    original_loss = trainer._compute_loss
+    trainer._compute_loss = lambda model, inputs: batches.append(inputs) or original_loss(model, inputs)
+    trainer.train()
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+    assert logged(trainer, "dppo/invalid_behavior_logps") == [4.0]  # 1e-7 is rounding of log 1, not invalid
+    batch = batches[0]
+    assert torch.isfinite(batch[BEHAVIOR_LOGPS]).all() and torch.isfinite(batch["old_per_token_logps"]).all()
+    assert (~batch[BEHAVIOR_VALID]).sum().item() >= 4
