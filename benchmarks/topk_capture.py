@@ -20,8 +20,6 @@ Times are medians over `--repeats`. Prints one JSON object to stdout:
     python benchmarks/topk_capture.py [--completions 64 --tokens 64 --k 20 --repeats 5 --model-size tiny]
 """
 
-import os
-
 from dppo_trl.offline import set_offline_env  # noqa: E402
 
 set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this process (no IPC in the timings)
@@ -29,7 +27,6 @@ set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this p
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,15 +35,13 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_env import PROMPTS as BENCH_PROMPTS  # noqa: E402
+from bench_env import load_average, machine_info, versions  # noqa: E402
+
 from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain gradient descent in one line.",
-    "List three prime numbers.",
-    "What is 12 times 7?",
-]
+PROMPTS = BENCH_PROMPTS[:4]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,15 +118,13 @@ def main(argv=None) -> dict:
 
 def _measure(args: argparse.Namespace, tmp: str) -> dict:
     import torch
-    import trl
-    import vllm
     from trl.generation.vllm_generation import extract_logprobs
     from vllm import LLM, SamplingParams
 
     from dppo_trl.behavior import VLLMTopKCapture, topk_entries_to_tensors
     from dppo_trl.tiny_models import build_byte_tokenizer, save_tiny_model
 
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = load_average()
     tokenizer = build_byte_tokenizer()
     prompt_ids = [tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(args.completions)]
     max_len = max(map(len, prompt_ids)) + args.tokens + 8
@@ -251,19 +244,8 @@ def _measure(args: argparse.Namespace, tmp: str) -> dict:
             "temperature": args.temperature,
             "engine": "vllm.LLM in-process, dtype=float32, enforce_eager=True, ignore_eos=True",
         },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "trl": trl.__version__,
-            "vllm": vllm.__version__,
-        },
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "processor": platform.processor() or platform.machine(),
-        },
+        "versions": versions(),
+        "machine": machine_info(load_before, torch_threads=torch.get_num_threads()),
     }
     text = json.dumps(report, indent=2)
     print(text)
