@@ -1,7 +1,7 @@
 """
 Wall-clock time per optimizer step: `DPPOTrainer` vs `GRPOTrainer` with a real colocated vLLM engine.
 
-Both trainers train the same tiny Qwen3 (built by `dppo_trl.tiny_models.save_tiny_model` in a temporary folder) on the
+Both trainers train the same tiny Qwen3 (built by `dppo_dev.tiny_models.save_tiny_model` in a temporary folder) on the
 same prompts, with the same seed, batch, group size, completion length and number of steps. GRPOTrainer runs with
 `GRPOConfig` defaults, which include TRL's vLLM importance-sampling correction: every generation batch it recomputes
 π_old with an extra no-grad forward pass. DPPOTrainer anchors on the engine's own log-probs μ and skips that pass.
@@ -18,8 +18,12 @@ Prints one JSON object to stdout (worker logs go to stderr with `--verbose`):
 """
 
 import os
+import sys
 
-from dppo_trl.offline import set_offline_env  # noqa: E402
+# The repository root holds `dppo_dev` (scaffolding, not installed).
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
@@ -29,7 +33,6 @@ import math  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -38,7 +41,7 @@ TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
 from bench_env import PROMPTS, load_average, machine_info, versions  # noqa: E402
 
-from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
+from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS
 PORTS = range(29760, 29800)
@@ -99,8 +102,8 @@ def run_worker(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.tiny_models import build_byte_tokenizer
     from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
 
     class StepTimer(TrainerCallback):
@@ -344,7 +347,7 @@ def main(argv=None) -> dict:
     used_ports: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="dppo-step-time-") as tmp:
         workdir = Path(tmp)
-        from dppo_trl.tiny_models import save_tiny_model
+        from dppo_dev.tiny_models import save_tiny_model
 
         model_dir = save_tiny_model(workdir / "model", kind="qwen3", seed=args.seed, **MODEL_PRESETS[args.model_size])
         n_params = _count_parameters(model_dir)

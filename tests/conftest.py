@@ -5,7 +5,7 @@ import os
 import socket
 
 # Must happen before transformers / TRL / datasets are imported anywhere in the test session.
-from dppo_trl.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
@@ -64,7 +64,7 @@ def master_port(free_port: int, monkeypatch: pytest.MonkeyPatch) -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny Qwen3 (untied embeddings, fp32) with its byte tokenizer."""
-    from dppo_trl.tiny_models import save_tiny_model
+    from dppo_dev.tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), kind="qwen3")
 
@@ -72,7 +72,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny Qwen3 whose LM head is tied to the input embeddings."""
-    from dppo_trl.tiny_models import save_tiny_model
+    from dppo_dev.tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_tied"), kind="qwen3", tie_word_embeddings=True)
 
@@ -80,7 +80,7 @@ def tiny_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A saved tiny Qwen3-MoE (4 experts, top-2, router aux loss on)."""
-    from dppo_trl.tiny_models import save_tiny_model
+    from dppo_dev.tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), kind="qwen3_moe")
 

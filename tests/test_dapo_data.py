@@ -6,7 +6,7 @@ import os
 import pytest
 from datasets import Dataset
 
-from dppo_trl.dapo_data import DAPO_PROMPT_TEMPLATE, load_aime, load_dapo_math, normalize_math_dataset
+from dapo_math.data import DAPO_PROMPT_TEMPLATE, load_aime, load_dapo_math, normalize_math_dataset
 
 
 def _dapo_row(problem: str, answer: str, index: int) -> dict:

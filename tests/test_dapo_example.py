@@ -84,7 +84,7 @@ def test_moe_lora_targets_exist_in_qwen3_moe():
     # The recipe's target names must resolve on a real Qwen3-MoE module tree (tiny config, same structure).
     from peft import LoraConfig, get_peft_model
 
-    from dppo_trl.tiny_models import build_tiny_model
+    from dppo_dev.tiny_models import build_tiny_model
 
     model, _ = build_tiny_model("qwen3_moe")
     config = LoraConfig(
@@ -191,8 +191,8 @@ def test_short_run_model_card(short_run):
 
 # --- evaluation callback ------------------------------------------------------------------------------------------
 def test_eval_callback_hf_path_restores_train_mode(short_run):
-    from dppo_trl.dapo_data import load_aime
-    from dppo_trl.eval_callback import MathEvalCallback
+    from dapo_math.data import load_aime
+    from dapo_math.evaluation import MathEvalCallback
 
     trainer, _ = short_run
     data = load_aime(TINY_TEST, max_samples=5)
@@ -225,7 +225,7 @@ class _FakeVLLMGeneration:
 def test_eval_callback_uses_the_trainers_vllm_engine(short_run, monkeypatch):
     from datasets import Dataset
 
-    from dppo_trl.eval_callback import MathEvalCallback
+    from dapo_math.evaluation import MathEvalCallback
 
     trainer, _ = short_run
     fake = _FakeVLLMGeneration(trainer.processing_class, "Answer: 4")

@@ -34,8 +34,8 @@ def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
     from test_loss_gradient import ADVANTAGES, PROMPT_LEN, _crafted_batch
     from trainer_setup import ascii_reward, prompt_dataset
 
+    from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOTrainer
-    from dppo_trl.tiny_models import build_byte_tokenizer
     from dppo_trl.trust_region import divergence, dppo_per_token_loss, trust_region_mask
 
     args = DPPOConfig(

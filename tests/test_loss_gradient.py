@@ -11,8 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 
+from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.tiny_models import build_byte_tokenizer
 from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
 from dppo_trl.trust_region import divergence, dppo_per_token_loss, trust_region_mask
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dppo_trl.math_reward import (
+from dapo_math.rewards import (
     accuracy_reward,
     answers_match,
     completion_text,

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dppo_trl.tiny_models import (
+from dppo_dev.tiny_models import (
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,

@@ -20,15 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dppo_trl import topk_logps
-from dppo_trl.topk_logps import (
-    LogitTransform,
-    chunked_topk_logps,
-    fused_linear_logps_at_ids,
-    logps_at_ids_from_anchor,
-    naive_logps_at_ids,
-    naive_topk_logps,
-)
+from dppo_dev import topk_reference
+from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids, naive_topk_logps
+from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
 
 # Both sides upcast the same (possibly bf16) values and compute in float32, so they differ only in summation order:
 # with H = 64 and logits of magnitude ≲ 10 that is ~1e-6 per logit, and log-probabilities (a difference of two
@@ -46,7 +40,7 @@ M, H, V, K = 67, 64, 301, 8
 @pytest.fixture(params=["auto", "token", "vocab"])
 def backward_order(request, monkeypatch):
     """Run a gradient test with the fused backward's automatic loop order and with each order forced."""
-    monkeypatch.setattr(topk_logps, "_BACKWARD_ORDER", None if request.param == "auto" else request.param)
+    monkeypatch.setattr(topk_reference, "_BACKWARD_ORDER", None if request.param == "auto" else request.param)
     return request.param
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
+from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.tiny_models import build_byte_tokenizer
 
 PROMPTS = ["1+1=", "2+3=", "4+4=", "5+1=", "7+2=", "3+3=", "6+2=", "8+1="]
 

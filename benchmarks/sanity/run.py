@@ -30,11 +30,14 @@ import tempfile
 import time
 from collections import Counter
 
-from dppo_trl.offline import set_offline_env  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# `dppo_dev` (scaffolding, not installed) lives in the repository root, the recipe's `dapo_math` in `examples/`.
+sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "examples")]
+
+from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 DEFAULT_DATA = os.path.join(REPO_ROOT, "examples", "data", "tiny_math", "train.jsonl")
 PORT_BASE = 29800  # the benchmark's block: 29800-29899
@@ -196,9 +199,9 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
     import torch
     from transformers import AutoTokenizer
 
+    from dapo_math.data import load_dapo_math
+    from dapo_math.rewards import accuracy_reward
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.dapo_data import load_dapo_math
-    from dppo_trl.math_reward import accuracy_reward
 
     os.environ["MASTER_PORT"] = str(port)
     torch.manual_seed(seed)

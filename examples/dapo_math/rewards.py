@@ -168,7 +168,7 @@ def answers_match(pred: str, truth: str) -> bool:
 def accuracy_reward(completions: list, ground_truth: list | None = None, **kwargs) -> list[float]:
     """1.0 when the completion's final answer (`Answer:` line or `\\boxed{}`) equals `ground_truth`, else 0.0.
 
-    `ground_truth` is the dataset column of that name (see `dppo_trl.dapo_data`); a DAPO-style `reward_model` column
+    `ground_truth` is the dataset column of that name (see `dapo_math.data`); a DAPO-style `reward_model` column
     (`{"ground_truth": ...}`) is accepted as a fallback.
     """
     if ground_truth is None:

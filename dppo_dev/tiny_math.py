@@ -179,7 +179,7 @@ def sample_accuracy(
 
     Returns mean accuracy, format rate, and a few example completions (for eyeballing).
     """
-    from dppo_trl.math_reward import accuracy_reward, format_reward
+    from dapo_math.rewards import accuracy_reward, format_reward
 
     torch.manual_seed(seed)
     prompts = [row["prompt"] for row in rows for _ in range(num_samples)]

@@ -4,7 +4,7 @@ Every loader returns a `datasets.Dataset` with two columns:
 
 - `prompt`: a conversation, `[{"role": "user", "content": ...}]` (TRL applies the chat template);
 - `ground_truth`: the reference answer as a string, forwarded by TRL to reward functions as a keyword argument
-  (see `dppo_trl.math_reward.accuracy_reward`).
+  (see `dapo_math.rewards.accuracy_reward`).
 
 Sources can be a Hub dataset id or a local file (`.json`, `.jsonl`, `.parquet`) or folder (data files named by split,
 or a `save_to_disk` folder), so everything is testable offline.

@@ -21,7 +21,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
-from dppo_trl.math_reward import accuracy_reward
+from dapo_math.rewards import accuracy_reward
 
 __all__ = ["MathEvalCallback"]
 
