@@ -206,36 +206,27 @@ def test_eval_callback_hf_path_restores_train_mode(short_run):
     assert callback.latest == metrics
 
 
-class _FakeVLLMGeneration:
-    """Stands in for `trainer.vllm_generation`: answers every prompt with a fixed completion."""
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_colocate_run_evaluates_k_samples_per_problem(example, tmp_path, master_port):
+    """The command of docs/recipes.md on the real engine: train with vLLM colocate and evaluate avg@k with it."""
+    argv = "--max_steps 2 --use_vllm --vllm_mode colocate --per_device_train_batch_size 16 --num_generations 4".split()
+    argv += "--logging_steps 1 --math_eval_steps 1 --math_eval_num_samples 3 --max_eval_samples 5".split()
+    trainer = example.main(*example.parse_args(argv + ["--output_dir", str(tmp_path)]))
+    evals = [e for e in trainer.state.log_history if "eval/tiny_math_test/avg@3" in e]
+    assert [e["step"] for e in evals] == [0, 1, 2]  # before training, after each step (the end is step 2)
+    for e in evals:
+        assert 0.0 <= e["eval/tiny_math_test/avg@3"] <= e["eval/tiny_math_test/pass@3"] <= 1.0
+        assert 0 < e["eval/tiny_math_test/mean_length"] <= trainer.args.max_completion_length
 
-    def __init__(self, tokenizer, text):
-        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        self.synced, self.calls = 0, []
-
-    def sync_weights(self):
-        self.synced += 1
-
-    def generate(self, prompts, images, num_generations, profiler=None):
-        self.calls.append((len(prompts), num_generations))
-        n = len(prompts) * num_generations
-        return prompts, [list(self.ids) for _ in range(n)], None, None
-
-
-def test_eval_callback_uses_the_trainers_vllm_engine(short_run, monkeypatch):
-    from datasets import Dataset
-
+    # k samples per problem from the engine itself, prompt-major, sampled independently.
+    from dapo_math.data import load_aime
     from dapo_math.evaluation import MathEvalCallback
 
-    trainer, _ = short_run
-    fake = _FakeVLLMGeneration(trainer.processing_class, "Answer: 4")
-    monkeypatch.setattr(trainer, "use_vllm", True, raising=False)
-    monkeypatch.setattr(trainer, "vllm_generation", fake, raising=False)
-    monkeypatch.setattr(trainer, "_last_loaded_step", -1, raising=False)
-    data = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": q}], "ground_truth": a} for q, a in [("2+2?", "4"), ("1+2?", "3")]]
-    )
-    metrics = MathEvalCallback(trainer, {"fake": data}, num_samples=4).evaluate()
-    assert fake.calls == [(2, 4)] and fake.synced == 1  # weights pushed once, one batched call
-    assert metrics["eval/fake/avg@4"] == 0.5 and metrics["eval/fake/pass@4"] == 0.5
-    assert metrics["eval/fake/mean_length"] == len("Answer: 4")
+    prompts = list(load_aime(TINY_TEST, max_samples=4)["prompt"])
+    callback = MathEvalCallback(trainer, {}, num_samples=6)
+    completions, lengths = callback._generate(prompts, 6)
+    assert len(completions) == len(lengths) == 4 * 6
+    texts = [c[0]["content"] for c in completions]
+    # Six independent samples at temperature 1, not one completion copied six times.
+    assert any(len(set(texts[j * 6 : (j + 1) * 6])) > 1 for j in range(4))

@@ -176,7 +176,16 @@ class MathEvalCallback(TrainerCallback):
         if trainer.state.global_step != getattr(trainer, "_last_loaded_step", None):
             vllm_generation.sync_weights()
             trainer._last_loaded_step = trainer.state.global_step
-        _, completion_ids, _, _ = vllm_generation.generate(prompts=prompt_ids, images=None, num_generations=k)
+        # TRL's prompt-repetition contract (the one its own training batches follow): the caller repeats each prompt
+        # `num_generations` times. Colocate samples once per entry; server mode keeps every k-th entry and asks the
+        # server for k samples of each. Either way the result is k completions per problem, prompt-major.
+        repeated = [ids for ids in prompt_ids for _ in range(k)]
+        _, completion_ids, _, _ = vllm_generation.generate(prompts=repeated, images=None, num_generations=k)
+        if len(completion_ids) != len(repeated):
+            raise RuntimeError(
+                f"vLLM returned {len(completion_ids)} completions for {len(prompt_ids)} problems x {k} samples; TRL's "
+                "`VLLMGeneration.generate` contract changed (see dppo_trl/trl_contract.py)."
+            )
         return [list(c) for c in completion_ids]
 
     @torch.no_grad()
