@@ -1,5 +1,5 @@
 """
-Behaviour-side cost of capturing μ's top-K from a real vLLM engine, against the generation it rides on.
+Behavior-side cost of capturing μ's top-K from a real vLLM engine, against the generation it rides on.
 
 With `logprobs=K`, every completion token comes back from vLLM as a `{token_id: Logprob}` dict of K or K + 1 entries.
 Two Python passes then run per generation batch, per token:

@@ -15,12 +15,12 @@
 """
 Peak extra memory and time of forward + backward for top-K DPPO log-probabilities, one fresh subprocess per variant.
 
-Variants (all take hidden `[N, H]`, lm_head `[V, H]`, ids `[N, 1 + K]` = sampled id then K behaviour top-K ids; only
+Variants (all take hidden `[N, H]`, lm_head `[V, H]`, ids `[N, 1 + K]` = sampled id then K behavior top-K ids; only
 the sampled id's log-probability gets a gradient, the K others feed a detached mask, as in DPPO):
 
 - `naive`: full logits, `log_softmax`, gather K + 1, backward through column 0.
 - `topk_anchor` (design B): TRL's single-target `ChunkedLogProbFunction` for the sampled id (with grad), plus
-  `logps_at_ids_from_anchor` for the K others (no grad).
+  `logps_at_ids_from_sampled` for the K others (no grad).
 - `topk_fused` (design A): `fused_linear_logps_at_ids` on all K + 1 ids, gradient through column 0.
 - `binary_trl`: binary DPPO, TRL's `ChunkedLogProbFunction` for the sampled id only.
 - `binary_fused`: binary DPPO with `fused_linear_logps_at_ids` on the sampled id only (J = 1, same tiling as A).
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     parser.add_argument("--n-tokens", type=int, default=2048, help="completion tokens N")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size H")
     parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
-    parser.add_argument("--k", type=int, default=20, help="behaviour top-K (ids per row: K + 1)")
+    parser.add_argument("--k", type=int, default=20, help="behavior top-K (ids per row: K + 1)")
     parser.add_argument("--token-chunk", type=int, default=1024, help="token chunk of design A")
     parser.add_argument(
         "--anchor-chunk", type=int, default=0, help="token chunk of the design-B gather (0: its ~128 MiB default)"
@@ -118,7 +118,7 @@ class _RssSampler(threading.Thread):
 def _make_step(variant, args, torch, timings):
     # Import only what the variant runs, so the naive and fused workers do not pay for TRL's import
     from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids
-    from dppo_trl.topk_logps import LogitTransform, logps_at_ids_from_anchor
+    from dppo_trl.topk_logps import LogitTransform, logps_at_ids_from_sampled
 
     if variant in ("topk_anchor", "binary_trl"):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
@@ -142,7 +142,7 @@ def _make_step(variant, args, torch, timings):
         elif variant == "topk_anchor":
             logp = trl_sampled(hidden, weight, ids)
             gather_start = time.perf_counter()
-            others = logps_at_ids_from_anchor(
+            others = logps_at_ids_from_sampled(
                 hidden.detach(),
                 weight.detach(),
                 ids[:, 1:],
@@ -183,7 +183,7 @@ def _make_inputs(args, torch):
     N, H, V, K = args.n_tokens, args.hidden, args.vocab, args.k
     hidden = torch.randn(N, H).requires_grad_()
     weight = (torch.randn(V, H) / H**0.5).requires_grad_(not args.frozen_weight)
-    # Sampled id then K behaviour ids; the sampled id is inside the top-K for about half the rows
+    # Sampled id then K behavior ids; the sampled id is inside the top-K for about half the rows
     ids = torch.randint(0, V, (N, 1 + K))
     inside = torch.rand(N) < 0.5
     ids[inside, 0] = ids[inside, 1]

@@ -1,4 +1,4 @@
-"""Behaviour-policy (μ) capture: the rollout engine's sampled-token and top-K log-probs, as tensors.
+"""Behavior-policy (μ) capture: the rollout engine's sampled-token and top-K log-probs, as tensors.
 
 TRL's vLLM backend returns, per completion token, a list of `(token_id, logprob)` entries sorted by rank. With
 `logprobs=K` the sampled token is always among them but is *not* necessarily first, while `GRPOTrainer` reads entry 0
@@ -20,6 +20,20 @@ import numpy as np
 import torch
 
 PAD_ID = -1
+# A log-prob this far above 0 is rounding of log 1 (engines and bf16 report such values); anything larger is not one.
+LOGP_ROUNDING = 1e-6
+
+
+def sanitize_behavior_logps(mu_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(μ, valid)` as the loss may use them: valid where μ is a log-probability (finite, ≤ `LOGP_ROUNDING`).
+
+    Invalid entries (NaN, ±inf, clearly positive: values no engine can mean as a probability) become 0 and are
+    reported in `valid` so the trainer masks and counts them; rounding above 0 is read as log 1. float32 out.
+    Idempotent, so every consumer can apply it to whatever batch it is given.
+    """
+    mu_logps = mu_logps.float()
+    valid = torch.isfinite(mu_logps) & (mu_logps <= LOGP_ROUNDING)
+    return torch.where(valid, mu_logps.clamp(max=0.0), torch.zeros_like(mu_logps)), valid
 
 
 def topk_entries_to_tensors(
@@ -132,7 +146,7 @@ class VLLMTopKCapture:
         prompt_ids, completion_ids, logprobs, token_ids = self._generate(*args, **kwargs)
         if logprobs is None or token_ids is None:
             raise RuntimeError(
-                "The vLLM engine returned no log-probs, so DPPO has no behaviour policy μ. With `vllm_mode='server'`, "
+                "The vLLM engine returned no log-probs, so DPPO has no behavior policy μ. With `vllm_mode='server'`, "
                 "make sure the server runs a vLLM version that returns `logprob_token_ids`."
             )
         ids, logps = topk_entries_to_tensors(completion_ids, logprobs, token_ids, self.k)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.trust_region import DIVERGENCES, default_delta
 
 # vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
@@ -15,19 +16,6 @@ VLLM_COLOCATE_MAX_LOGPROBS = 20
 # Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`).
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
-# The paper's method plus the baselines of its ablations (dppo_trl/ablations.py), all on the same μ-anchored data path.
-TRUST_REGIONS = (
-    "dppo",
-    "grpo_clip",
-    "clip_higher",
-    "cispo",
-    "pg_is",
-    "minirl",
-    "dppo_decoupled",
-    "relax_low",
-    "relax_high",
-    "relax_both",
-)
 
 
 @dataclass
@@ -36,16 +24,46 @@ class DPPOConfig(GRPOConfig):
     Configuration for [`DPPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the DPPO trust region.
 
     DPPO replaces GRPO's ratio clipping with a trust region on the divergence D between the trainer policy π and the
-    behaviour policy μ that sampled the completion (the inference engine's own log-probs). Per completion token:
-    `loss = −A · stopgrad(min(π/μ, ratio_cap)) · M · log π`, where `M = 0` only for tokens that move *away* from μ
-    by more than `delta_high` (A > 0) or `delta_low` (A < 0). See `docs/theory.md`.
+    behavior policy μ that sampled the completion (the inference engine's own log-probs). Per completion token
+    (eq. 11): `loss = −A · sg(min(π/μ, ratio_cap) · M) · log π`, where `M = 0` only for tokens that move *away* from
+    μ by more than `delta_high` (A > 0) or `delta_low` (A < 0) (eq. 12). See `docs/theory.md`.
 
-    Defaults that differ from `GRPOConfig`:
+    Parameters:
+        > Parameters that define the trust region (eqs. 11-16)
 
-    - `vllm_importance_sampling_correction=False`: the μ anchor already carries the train–inference correction
-      (π/μ); TRL's extra correction would recompute π_old (a full forward pass) and correct twice.
+        divergence (`str`, *optional*, defaults to `"binary_tv"`):
+            D of the trust region: `binary_tv` (|π−μ| of the sampled token, eq. 13), `binary_kl` (Bernoulli KL
+            (μ, 1−μ)‖(π, 1−π), eq. 14), `topk_tv` / `topk_kl` (TV / KL(μ‖π) over TopK(μ) ∪ {sampled} plus one
+            'other' bucket, eqs. 15-16).
+        delta_low (`float` or `None`, *optional*, defaults to `None`):
+            δ_low of eq. 12, for negative-advantage tokens. `None`: the authors' 0.15 (TV) / 0.05 (KL).
+        delta_high (`float` or `None`, *optional*, defaults to `None`):
+            δ_high of eq. 12, for positive-advantage tokens. `None`: the authors' 0.15 (TV) / 0.05 (KL).
+        divergence_top_k (`int`, *optional*, defaults to `20`):
+            K of eqs. 15-16: how many of μ's most likely tokens the engine reports per position (≤ 20 in vLLM
+            colocate mode). Ignored by the binary divergences.
+        ratio_cap (`float`, *optional*, defaults to `20.0`):
+            C of eq. 11, the safety cap in `sg(min(π/μ, C))`. Finite and ≥ 1.
 
-    GRPO's `epsilon`/`epsilon_high` ratio clip is not used by DPPO (the trust region is `delta_low`/`delta_high`).
+        > Parameters that define the anchor (where μ comes from)
+
+        anchor (`str`, *optional*, defaults to `"behavior"`):
+            `behavior`: μ is the log-probs the rollout engine reported when it sampled (the paper's method).
+            `recompute`: μ is the trainer's recomputed π_old — an ablation (§5.2: it collapses), one extra forward.
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
+            TRL's truncated IS correction π_old/μ. Must stay `False` with `anchor="behavior"` (π/μ already
+            corrects the train–inference mismatch).
+
+        > Parameters for ablations (the paper's §5-6 baselines on the same μ-anchored data path)
+
+        trust_region (`str`, *optional*, defaults to `"dppo"`):
+            Replace DPPO's trust region by a baseline of `dppo_trl.registry.TRUST_REGIONS`: `grpo_clip`,
+            `clip_higher`, `cispo`, `pg_is`, `minirl`, `dppo_decoupled`, `relax_low`/`relax_high`/`relax_both`.
+        relax_alpha (`float`, *optional*, defaults to `0.1`):
+            α of the `relax_*` ablations: tokens with μ < α are relaxed.
+
+    Defaults that differ from `GRPOConfig`: `vllm_importance_sampling_correction=False`. GRPO's
+    `epsilon`/`epsilon_high` clip is not used by DPPO (only by the `grpo_clip`-family ablations).
     """
 
     divergence: str = field(
@@ -104,15 +122,14 @@ class DPPOConfig(GRPOConfig):
             "`grpo_clip` (ratio clip ε=`epsilon`), `clip_higher` (ε_high=0.28), `cispo` (truncated IS at 5, no "
             "mask), `pg_is` (no trust region), `minirl` (clip on π/π_old, IS π_old/μ), `dppo_decoupled` (mask from "
             "D(π, π_old)), `relax_low`/`relax_high`/`relax_both` (GRPO clip with the negative/positive/both sides "
-            "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). See dppo_trl/ablations.py.",
+            "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). The list is "
+            "`dppo_trl.registry.TRUST_REGIONS`.",
             "choices": list(TRUST_REGIONS),
         },
     )
     relax_alpha: float = field(
         default=0.1,
-        metadata={
-            "help": "α of the `relax_*` ablations: tokens whose behaviour probability μ is below α are relaxed."
-        },
+        metadata={"help": "α of the `relax_*` ablations: tokens whose behavior probability μ is below α are relaxed."},
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,
@@ -152,7 +169,7 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(
                 f"trust_region={self.trust_region!r} is not supported; choose one of {list(TRUST_REGIONS)}."
             )
-        if self.trust_region != "dppo" and self.uses_top_k:
+        if not TRUST_REGIONS[self.trust_region].uses_top_k and self.uses_top_k:
             raise ValueError(
                 f"trust_region={self.trust_region!r} is a sampled-token baseline; it does not use μ's top-K. Use "
                 "divergence='binary_tv' or 'binary_kl' with it."

@@ -15,13 +15,13 @@
 """
 Log-probabilities of a few token ids per position, without materializing the `[N, V]` logits.
 
-Top-K DPPO needs, for each completion token, the trainer policy's log-probabilities at the behaviour policy's top-K
+Top-K DPPO needs, for each completion token, the trainer policy's log-probabilities at the behavior policy's top-K
 ids plus the sampled id. Only the sampled id's log-probability needs a gradient. Every function here takes the final
 hidden states of the valid positions (`hidden [M, H]`), the LM head `weight [V, H]` and an optional `bias [V]`, and
 applies the same logit transform as TRL's fused LM head (see [`LogitTransform`]). Outputs are float32 (float64 for
 float64 inputs, for `gradcheck`); id slots set to a negative value (padding) give `-inf`.
 
-- [`logps_at_ids_from_anchor`]: no-grad, `J + 1` dot products per row, from a log-probability already known for one
+- [`logps_at_ids_from_sampled`]: no-grad, `J + 1` dot products per row, from a log-probability already known for one
   id per row (design B: the log-partition cancels).
 - [`chunked_topk_logps`]: no-grad top-k of the full distribution with an online logsumexp over vocabulary tiles.
 
@@ -41,8 +41,8 @@ from packaging.version import Version
 
 # `torch.mm(..., out_dtype=torch.float32)` from bf16/fp16 inputs exists on CUDA from torch 2.8 (not on CPU)
 _MM_OUT_DTYPE = Version(torch.__version__.split("+")[0]) >= Version("2.8.0")
-# Default budget of the float32 weight rows `logps_at_ids_from_anchor` gathers per token chunk
-_ANCHOR_CHUNK_BYTES = 128 * 2**20
+# Default budget of the float32 weight rows `logps_at_ids_from_sampled` gathers per token chunk
+_GATHER_CHUNK_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -196,30 +196,30 @@ def _lm_head_gather_ctx(weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 @torch.no_grad()
-def logps_at_ids_from_anchor(
+def logps_at_ids_from_sampled(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     ids: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    anchor_logps: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
     transform: LogitTransform = LogitTransform(),
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """
-    Log-probabilities at `ids` from the log-probability of one anchor id per row, with no gradient.
+    Log-probabilities at `ids` from the log-probability of one known id per row (the sampled token), with no gradient.
 
-    Since `log π(k) = z_k − logZ`, `log π(k) = z_k − z_anchor + log π(anchor)`: the log-partition cancels and only
-    `J + 1` dot products per row are needed, in float32. `anchor_logps` is typically what TRL's fused LM head returned
+    Since `log π(k) = z_k − logZ`, `log π(k) = z_k − z_y + log π(y)`: the log-partition cancels and only
+    `J + 1` dot products per row are needed, in float32. `sampled_logps` is typically what TRL's fused LM head returned
     for the sampled token.
 
     Args:
         hidden (`torch.Tensor`): final hidden states `[M, H]` of the valid positions.
         weight (`torch.Tensor`): LM head weight `[V, H]` (may be a tied embedding matrix).
         ids (`torch.Tensor`): `[M, J]` token ids; negative ids are padding and give `-inf`.
-        anchor_ids (`torch.Tensor`): `[M]` ids whose log-probabilities are known; a negative id makes its row `-inf`.
-        anchor_logps (`torch.Tensor`): `[M]` log-probabilities of `anchor_ids` under the same model and transform.
+        sampled_ids (`torch.Tensor`): `[M]` ids whose log-probabilities are known; a negative id makes its row `-inf`.
+        sampled_logps (`torch.Tensor`): `[M]` log-probabilities of `sampled_ids` under the same model and transform.
         bias (`torch.Tensor`, *optional*): LM head bias `[V]`.
         transform ([`LogitTransform`]): logit transform (temperature, logit scale, softcap).
         chunk_size (`int`, *optional*): token rows per chunk. Each chunk gathers `chunk_size × (J + 1) × H` float32
@@ -233,16 +233,16 @@ def logps_at_ids_from_anchor(
     if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
     M, J = ids.shape
-    if anchor_ids.shape != (M,) or anchor_logps.shape != (M,):
-        raise ValueError(f"expected anchor_ids and anchor_logps of shape [{M}]")
+    if sampled_ids.shape != (M,) or sampled_logps.shape != (M,):
+        raise ValueError(f"expected sampled_ids and sampled_logps of shape [{M}]")
     acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
     if chunk_size is None:
-        chunk_size = max(1, _ANCHOR_CHUNK_BYTES // ((J + 1) * hidden.shape[1] * 4))
+        chunk_size = max(1, _GATHER_CHUNK_BYTES // ((J + 1) * hidden.shape[1] * 4))
     out = torch.empty((M, J), device=hidden.device, dtype=acc)
     with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
         for t0 in range(0, M, chunk_size):
             t1 = min(t0 + chunk_size, M)
-            chunk_ids = torch.cat([anchor_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]
+            chunk_ids = torch.cat([sampled_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]
             pad = chunk_ids < 0
             safe_ids = chunk_ids.clamp(min=0)
             w = weight[safe_ids].to(acc)  # [n, J + 1, H]
@@ -250,13 +250,13 @@ def logps_at_ids_from_anchor(
             if bias is not None:
                 s.add_(bias.to(acc)[safe_ids])
             z = transform(s)
-            logps = z[:, 1:] - z[:, :1] + anchor_logps[t0:t1, None].to(acc)
+            logps = z[:, 1:] - z[:, :1] + sampled_logps[t0:t1, None].to(acc)
             out[t0:t1] = logps.masked_fill_(pad[:, 1:] | pad[:, :1], -math.inf)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Chunked top-k of the full distribution (behaviour policy on the HF-generate path)
+# Chunked top-k of the full distribution (behavior policy on the HF-generate path)
 # ---------------------------------------------------------------------------------------------------------------------
 
 

@@ -1,20 +1,22 @@
 """`DPPOTrainer`: GRPOTrainer with DPPO's divergence trust region anchored on the rollout engine's μ.
 
-How the DPPO loss rides on GRPOTrainer's own loss (no parent code is copied):
+The objective is `dppo_trl.trust_region.dppo_coefficient` (eq. 11): per completion token the gradient is
+`−A · w · ∇log π` with `w = min(π/μ, C) · M` (eq. 12's mask on the divergences of eqs. 13-16). The ablation
+baselines of `dppo_trl.registry.TRUST_REGIONS` return a coefficient of the same form. This module is the glue that
+makes GRPOTrainer's own loss compute it, without copying any of it:
 
 GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`luspo` aggregations is
 `−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) · m`, with `r = exp(log π − old)` and `m` the off-policy mask returned by the
 `get_off_policy_mask` hook. DPPOTrainer
 
-1. sets `old` to the behaviour log-probs μ (the engine's, not a recompute) in `_generate_and_score_completions`;
+1. writes μ (the engine's log-probs, not a recompute) into `old_per_token_logps` (`_generate_and_score_completions`);
 2. opens the clip (`ε_low = 1`, `ε_high = ∞`), so the term is `−r·A·m`;
-3. returns, from `get_off_policy_mask`, the detached per-token weight `m = M · min(r, C) / r` (eq. 12 mask, eq. 11 cap).
+3. returns `m = w / r` from `get_off_policy_mask` (`parent_weight`), so the parent's term has gradient `−A·w·∇log π`.
 
-The gradient is then `−A · M · min(π/μ, C) · ∇log π`, exactly eq. 11, and every other part of the parent's loss —
-the aggregation (`loss_type`), β-KL against the reference, the entropy bonus, the entropy mask, the MoE router aux
-loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own. `tests/test_loss_gradient.py` checks the
-gradient against eq. 11 through the parent's real `_compute_loss`, for each aggregation, and
-`tests/test_trl_contract.py` pins the parent internals this relies on (listed in `dppo_trl/trl_contract.py`).
+Every other part of the parent's loss — the aggregation (`loss_type`), β-KL against the reference, the entropy
+bonus, the entropy mask, the MoE router aux loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own.
+`tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`, for each
+aggregation, and `tests/test_trl_contract.py` pins the parent internals this relies on (`dppo_trl/trl_contract.py`).
 """
 
 from __future__ import annotations
@@ -30,18 +32,17 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
-from dppo_trl.behavior import VLLMTopKCapture
+from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
 from dppo_trl.config import DPPOConfig
-from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
-from dppo_trl.trust_region import binary_kl, divergence, trust_region_mask
+from dppo_trl.registry import TRUST_REGIONS
+from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
+from dppo_trl.trust_region import binary_kl, compute_divergence
 
 logger = logging.getLogger(__name__)
 
 # μ of a valid token is clamped here before GRPOTrainer exponentiates `log π − μ`: exp(60) is finite in fp32, and the
 # weight returned by `get_off_policy_mask` is computed against the clamped value, so the product stays exact.
 _MU_FLOOR = -60.0
-_LOGP_ROUNDING = 1e-6
 # GRPOTrainer's clip metrics; with the clip opened they are always 0, so they are dropped to avoid misleading logs.
 _GRPO_CLIP_METRICS = (
     "clip_ratio/low_mean",
@@ -56,8 +57,17 @@ BEHAVIOR_VALID = "dppo_behavior_valid"
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 RECOMPUTED_LOGPS = "dppo_recomputed_logps"  # π_old, kept only for the ablations that need it
-# Ablation coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN.
-_ABLATION_COEF_MAX = 1e6
+# Coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN. DPPO's own
+# coefficient is already capped at `ratio_cap`.
+_COEF_MAX = 1e6
+
+
+def parent_weight(coef: torch.Tensor, pi_logps: torch.Tensor, parent_old_logps: torch.Tensor) -> torch.Tensor:
+    """The weight `m` for GRPOTrainer's opened-clip term `−r·A·m`, `r = exp(π − old)`, such that its gradient is
+    `−A · coef · ∇log π`: `m = coef / r`, detached, computed in log space (r can underflow to 0 while 1/r overflows).
+    Shared by DPPO and every baseline."""
+    log_r = pi_logps - parent_old_logps
+    return torch.where(coef > 0, torch.exp(torch.log(coef) - log_r), torch.zeros_like(coef))
 
 
 @dataclass
@@ -137,7 +147,7 @@ class DPPOTrainer(GRPOTrainer):
     # Seams (each a thin wrapper around GRPOTrainer's method)
     # ------------------------------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
-        """Generate with the parent, then make `old_per_token_logps` the behaviour policy μ and attach μ's top-K."""
+        """Generate with the parent, then make `old_per_token_logps` the behavior policy μ and attach μ's top-K."""
         if self._vllm_topk is not None:
             self._vllm_topk.reset()
         output = super()._generate_and_score_completions(inputs)
@@ -145,7 +155,7 @@ class DPPOTrainer(GRPOTrainer):
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
 
-        if self.args.trust_region in NEEDS_OLD_LOGPS:
+        if TRUST_REGIONS[self.args.trust_region].needs_old_logps:
             recomputed = output.get("old_per_token_logps")
             if recomputed is None and self.use_vllm:
                 recomputed, _ = self._policy_forward(output, mask, want_topk=False)
@@ -153,17 +163,10 @@ class DPPOTrainer(GRPOTrainer):
                 output[RECOMPUTED_LOGPS] = recomputed.float()
         behavior, topk = self._behavior_policy(output, mask)
         if behavior is not None:
-            behavior = behavior.float()
-            # A log-prob a hair above 0 is rounding (p = 1); anything larger, NaN or ±inf is not a probability.
-            valid = torch.isfinite(behavior) & (behavior <= _LOGP_ROUNDING)
-            behavior = behavior.clamp(max=0.0)
-            invalid = (~valid & mask.bool()).sum()
+            output = _with_behavior_invariants({**output, BEHAVIOR_LOGPS: behavior})
+            invalid = (~output[BEHAVIOR_VALID] & mask.bool()).sum()
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["dppo/invalid_behavior_logps"].append(self.accelerator.gather(invalid).sum().item())
-            output[BEHAVIOR_LOGPS] = torch.where(valid, behavior, torch.zeros_like(behavior))
-            output[BEHAVIOR_VALID] = valid
-            # What the parent exponentiates: μ clamped so `exp(log π − μ)` stays finite; invalid tokens get weight 0.
-            output["old_per_token_logps"] = output[BEHAVIOR_LOGPS].clamp(min=_MU_FLOOR)
         if topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
         return output
@@ -196,6 +199,7 @@ class DPPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         """Parent's loss, with DPPO's trust region supplied through `get_off_policy_mask`."""
+        inputs = _with_behavior_invariants(inputs)
         top_k_in_loss = self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs
         self._loss_batch = inputs
         self._forward_capture = _ForwardCapture(want_hidden=top_k_in_loss)
@@ -236,7 +240,7 @@ class DPPOTrainer(GRPOTrainer):
     # DPPO glue
     # ------------------------------------------------------------------------------------------------------------
     def _behavior_policy(self, output: dict, mask: torch.Tensor):
-        """Pick μ for this generation batch: `(behaviour log-probs or None, (top-K ids, logps) or None)`.
+        """Pick μ for this generation batch: `(behavior log-probs or None, (top-K ids, logps) or None)`.
 
         - vLLM / `rollout_func`: the engine's sampled-token log-probs; top-K from the engine.
         - transformers `generate`, off-policy: TRL's recompute of the generating weights (that *is* the engine).
@@ -317,6 +321,7 @@ class DPPOTrainer(GRPOTrainer):
         """The detached weight the parent multiplies `−r·A` by, plus the DPPO metrics (Fig. 6 diagnostics)."""
         batch = self._loss_batch
         args = self.args
+        region = TRUST_REGIONS[args.trust_region]
         pi_logps = pi_logps.float()
         adv = advantages.float().expand_as(pi_logps)
         if batch is None or BEHAVIOR_LOGPS not in batch:
@@ -325,61 +330,39 @@ class DPPOTrainer(GRPOTrainer):
         else:
             mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
 
-        # The parent's ratio is exp(π − old), `old` as it reads it; this weight turns its `r·A` into `coef·A`.
-        log_ratio = pi_logps - mu_logps
-        parent_old = batch.get("old_per_token_logps") if batch is not None else None
-        parent_log_ratio = pi_logps - (pi_logps if parent_old is None else parent_old.float())
-
-        if args.trust_region != "dppo":
-            coef, div = self._ablation_coefficient(batch, pi_logps, mu_logps, adv)
-            coef = torch.where(valid, coef.clamp(max=_ABLATION_COEF_MAX), torch.zeros_like(coef))
-            keep = (coef > 0).float()
-            # In log space: r can underflow to 0 while exp(−parent_log_ratio) overflows.
-            weight = torch.where(keep > 0, torch.exp(coef.clamp(min=1e-30).log() - parent_log_ratio), 0.0)
-            self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, log_ratio, mask.bool() & valid)
-            return weight.to(pi_logps.dtype)
-
-        pi_topk = mu_topk = None
-        if args.uses_top_k and batch is not None and BEHAVIOR_TOPK_IDS in batch:
-            pi_topk, mu_topk = self._pi_topk(batch, pi_logps, mask.bool() & valid)
-        if args.uses_top_k and mu_topk is None:
-            # Without μ's top-K (on-policy), μ ≡ π and every divergence is 0: the binary form computes that exactly.
-            div = divergence(args.divergence.replace("topk_", "binary_"), pi_logps, mu_logps)
-        else:
-            div = divergence(args.divergence, pi_logps, mu_logps, pi_topk, mu_topk)
-        keep = trust_region_mask(pi_logps, mu_logps, adv, div, args.delta_low, args.delta_high) * valid
-
-        capped_log_ratio = log_ratio.clamp(max=math.log(args.ratio_cap))
-        weight = torch.where(keep > 0, torch.exp(capped_log_ratio - parent_log_ratio), torch.zeros_like(keep))
-
-        self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, log_ratio, mask.bool() & valid)
-        return weight.to(pi_logps.dtype)
-
-    def _ablation_coefficient(self, batch, pi_logps, mu_logps, adv):
-        """A baseline's gradient coefficient (`trust_region != "dppo"`) and, for the metrics, the binary divergence."""
-        args = self.args
-        name, kwargs = args.trust_region, {}
-        if name in ("grpo_clip", "minirl"):
-            kwargs = {"eps_low": args.epsilon, "eps_high": args.epsilon}
-        elif name == "clip_higher":
-            kwargs = {"eps_low": args.epsilon}
-        elif name == "dppo_decoupled":
-            kwargs = {
-                "divergence_kind": args.divergence,
-                "delta_low": args.delta_low,
-                "delta_high": args.delta_high,
-                "ratio_cap": args.ratio_cap,
-            }
-        elif name.startswith("relax_"):
-            name, kwargs = "relaxed_clip", {"alpha": args.relax_alpha, "relax": name.removeprefix("relax_")}
-            kwargs |= {"eps_low": args.epsilon, "eps_high": args.epsilon}
-        old = None
-        if name in NEEDS_OLD_LOGPS:
+        kwargs = region.kwargs(args)
+        if region.needs_old_logps:
             # Transformers generation on-policy: the generating weights are the current ones, π_old ≡ π.
             old = batch.get(RECOMPUTED_LOGPS) if batch is not None else None
-            old = pi_logps if old is None else old.float()
-        coef = trust_region_coefficient(name, pi_logps, mu_logps, adv, old=old, **kwargs)
-        return coef.float(), divergence(args.divergence, pi_logps, mu_logps)
+            kwargs["old_logps"] = pi_logps if old is None else old.float()
+        topk = None
+        if args.uses_top_k:
+            if batch is not None and BEHAVIOR_TOPK_IDS in batch:
+                topk = self._pi_topk(batch, pi_logps, mask.bool() & valid)
+                kwargs["pi_topk_logps"], kwargs["mu_topk_logps"] = topk
+            else:
+                # Without μ's top-K (on-policy), μ ≡ π and every divergence is 0: the binary form computes that exactly.
+                kwargs["divergence"] = args.divergence.replace("topk_", "binary_")
+        coef = region.coefficient(pi_logps, mu_logps, adv, **kwargs).float()
+        coef = torch.where(valid, coef.clamp(max=max(_COEF_MAX, args.ratio_cap)), torch.zeros_like(coef))
+
+        parent_old = batch.get("old_per_token_logps") if batch is not None else None
+        weight = parent_weight(coef, pi_logps, pi_logps if parent_old is None else parent_old.float())
+
+        div = compute_divergence(kwargs.get("divergence", args.divergence), pi_logps, mu_logps, *(topk or ()))
+        keep = (coef > 0).float()
+        tokens = mask.bool()
+        self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, pi_logps - mu_logps, tokens & valid)
+        self._metrics["train" if self.model.training else "eval"]["dppo/invalid_behavior_ratio"].append(
+            self._global_ratio(tokens & ~valid, tokens)
+        )
+        return weight.to(pi_logps.dtype)
+
+    def _global_ratio(self, numerator: torch.Tensor, denominator: torch.Tensor) -> float:
+        """sum(numerator) / sum(denominator) over every process (0 when the denominator is empty)."""
+        sums = self.accelerator.reduce(torch.stack([numerator.float().sum(), denominator.float().sum()]), "sum")
+        num, den = sums.tolist()
+        return num / den if den > 0 else 0.0
 
     def _pi_topk(self, batch: dict, pi_logps: torch.Tensor, valid: torch.Tensor):
         """π's log-probs at μ's TopK ∪ {y} ids, from the captured hidden states (no `[B, T, V]` logits)."""
@@ -390,7 +373,7 @@ class DPPOTrainer(GRPOTrainer):
         weight, bias = self._lm_head_params()
         pi_topk = torch.full_like(mu_topk, -math.inf)
         with maybe_gather_lm_head_ctx(weight, bias):
-            pi_topk[valid] = logps_at_ids_from_anchor(
+            pi_topk[valid] = logps_at_ids_from_sampled(
                 capture.hidden[valid],
                 _full(weight),
                 ids[valid],
@@ -539,6 +522,29 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
         )
+
+
+def _with_behavior_invariants(inputs: dict) -> dict:
+    """A copy of a batch in which μ upholds what the loss relies on, whoever built the batch.
+
+    μ (`BEHAVIOR_LOGPS`, or `old_per_token_logps` when a caller supplies only that) is sanitised: NaN, ±inf or
+    positive values become invalid (weight 0; counted in `dppo/invalid_behavior_ratio`), and what the parent
+    exponentiates is clamped at `_MU_FLOOR`, so `exp(log π − old)` cannot overflow. Generation applies it once; the
+    loss applies it again (a few element-wise ops) so it never depends on its caller.
+    """
+    source = BEHAVIOR_LOGPS if BEHAVIOR_LOGPS in inputs else "old_per_token_logps"
+    if inputs.get(source) is None:
+        return inputs  # on-policy: the parent falls back to π.detach(), μ ≡ π
+    mu_logps, valid = sanitize_behavior_logps(inputs[source])
+    if BEHAVIOR_VALID in inputs:
+        valid = valid & inputs[BEHAVIOR_VALID].bool()
+    mu_logps = torch.where(valid, mu_logps, torch.zeros_like(mu_logps))
+    return {
+        **inputs,
+        BEHAVIOR_LOGPS: mu_logps,
+        BEHAVIOR_VALID: valid,
+        "old_per_token_logps": mu_logps.clamp(min=_MU_FLOOR),
+    }
 
 
 def _unwrapped_causal_lm(model):

@@ -1,7 +1,7 @@
 """Every TRL internal dppo-trl relies on, in one place.
 
 `tests/test_trl_contract.py` checks each entry against the installed TRL, so an upgrade that renames, re-signs or
-re-shapes one of them fails loudly instead of silently turning DPPO into something else. Behavioural parts of the
+re-shapes one of them fails loudly instead of silently turning DPPO into something else. Behavioral parts of the
 contract (the gradient DPPOTrainer obtains through GRPOTrainer's loss, the keys of the generation batch, batch-major
 keys surviving TRL's shuffle/split) are covered by `tests/test_loss_gradient.py` and `tests/test_trainer_*.py`.
 """

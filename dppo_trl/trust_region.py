@@ -1,7 +1,14 @@
-"""Pure tensor functions for DPPO's divergence trust region (Qi et al., arXiv 2602.04879, eqs. 11-16).
+"""DPPO's objective as pure tensor functions (Qi et al., *Rethinking the Trust Region in LLM Reinforcement
+Learning*, arXiv 2602.04879, eqs. 11-16). Everything DPPO changes with respect to GRPO is in this file:
 
-Notation: π is the trainer policy, μ the behaviour (rollout engine) policy, A the advantage. All inputs are
-log-probabilities: sampled-token ones have shape `(...)`, top-K ones `(..., J)`.
+- eq. 11, the objective: `dppo_coefficient` — per completion token, `loss_t = −A_t · sg(w_t) · log π(y_t)` with
+  `w_t = min(π/μ, C) · M_t`;
+- eq. 12, the trust-region mask M_t: `trust_region_mask`;
+- eqs. 13-16, the divergence D: `binary_tv`, `binary_kl`, `topk_tv`, `topk_kl` (dispatch: `compute_divergence`).
+
+Vocabulary (docs/theory.md): π the trainer policy, μ the behavior policy (the rollout engine's log-probs when it
+sampled), A the advantage, δ the thresholds, C the ratio cap. Every input is a log-probability (`*_logps`):
+sampled-token ones have shape `(...)`, top-K ones `(..., J)`.
 
 Numerics, shared by every function here:
 
@@ -13,6 +20,9 @@ Numerics, shared by every function here:
 - Divergences are clamped at 0 from below: rounding can make them slightly negative.
 - Binary divergences propagate NaN inputs to NaN outputs (the trainer masks tokens with a NaN μ itself). In the
   top-K functions a NaN slot in either tensor is treated as padding in both.
+- KL is infinite only where π is exactly 0 or 1 and μ is not. There, and only there, π is moved to `1e-7` from the
+  boundary (or to μ when μ is even closer), so D stays finite and far above any sensible δ. Every finite π is used
+  as it is, so D is exact (up to float32 rounding) everywhere else.
 """
 
 from __future__ import annotations
@@ -26,16 +36,15 @@ DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The authors' thresholds (verl example of the paper): δ = 0.15 for TV and 0.05 for KL, on both sides.
 DEFAULT_DELTAS = {"tv": 0.15, "kl": 0.05}
 
-# Smallest probability π is pushed to in the KL denominators; only used when π is closer to {0, 1} than both `eps`
-# and μ, i.e. where the exact KL would be infinite or dominated by the engine's rounding.
+# Where the exact KL is infinite (π exactly 0 or 1, μ not), π is moved this far from the boundary instead.
 _KL_EPS = 1e-7
 
 
-def default_delta(kind: str) -> float:
-    """Return the authors' threshold δ for a divergence kind: 0.15 for `*_tv`, 0.05 for `*_kl`."""
-    if kind not in DIVERGENCES:
-        raise ValueError(f"Unknown divergence {kind!r}; expected one of {DIVERGENCES}.")
-    return DEFAULT_DELTAS[kind.rsplit("_", 1)[1]]
+def default_delta(divergence: str) -> float:
+    """Return the authors' threshold δ for a divergence: 0.15 for `*_tv`, 0.05 for `*_kl`."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"Unknown divergence {divergence!r}; expected one of {DIVERGENCES}.")
+    return DEFAULT_DELTAS[divergence.rsplit("_", 1)[1]]
 
 
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -86,19 +95,16 @@ def binary_kl(pi_logps: Tensor, mu_logps: Tensor) -> Tensor:
     """Binary KL of eq. 14: D = KL((μ, 1-μ) ‖ (π, 1-π)) = μ log(μ/π) + (1-μ) log((1-μ)/(1-π)), μ/π of y_t.
 
     Computed in log space (`log(1-p)` via log1p/expm1). Boundary convention: 0 log 0 = 0, so μ ∈ {0, 1} and π = μ
-    are exact. Where the exact value is infinite (π ∈ {0, 1} but μ is not), π is moved towards μ to at most
-    `eps = 1e-7` from the boundary (or to μ itself when μ is even closer), so D stays finite and large (≈ 16 at most
-    for the 1-π side) and the token is masked by any sensible δ.
+    are exact. Where the exact value is infinite (π exactly 0 or 1 while μ is not), π is moved to `eps = 1e-7` from
+    that boundary (or to μ itself when μ is even closer), so D stays finite and large (≈ 16 at most for the 1-π
+    side) and the token is masked by any sensible δ. Every other π is used as it is.
     """
     dtype = _compute_dtype(pi_logps, mu_logps)
     pi_lp = _as_logp(pi_logps, dtype)
     mu_lp = _as_logp(mu_logps, dtype)
-    log_eps = math.log(_KL_EPS)
-    log_1m_eps = math.log1p(-_KL_EPS)
-    # π ∈ [min(eps, μ), max(1 - eps, μ)]: unchanged when it already lies there, so π = μ gives exactly 0.
-    lo = torch.clamp(mu_lp, max=log_eps)
-    hi = torch.clamp(mu_lp, min=log_1m_eps)
-    pi_lp = torch.minimum(torch.maximum(pi_lp, lo), hi)
+    # Only the infinite cases move: π = 0 to min(eps, μ), π = 1 to max(1 - eps, μ) (π = μ stays exact).
+    pi_lp = torch.where(pi_lp == -math.inf, torch.clamp(mu_lp, max=math.log(_KL_EPS)), pi_lp)
+    pi_lp = torch.where(pi_lp == 0, torch.clamp(mu_lp, min=math.log1p(-_KL_EPS)), pi_lp)
     mu = torch.exp(mu_lp)
     one_minus_mu = -torch.expm1(mu_lp)
     kl = _bernoulli_kl_term(mu, mu_lp, pi_lp) + _bernoulli_kl_term(one_minus_mu, _log1mexp(mu_lp), _log1mexp(pi_lp))
@@ -139,36 +145,42 @@ def topk_tv(pi_topk_logps: Tensor, mu_topk_logps: Tensor) -> Tensor:
 def topk_kl(pi_topk_logps: Tensor, mu_topk_logps: Tensor) -> Tensor:
     """Top-K KL of eq. 16: D = Σ_k μ_k log(μ_k/π_k) + μ_rest log(μ_rest/π_rest), i.e. KL(μ ‖ π) on the lumped set.
 
-    Same token-set, padding and NaN conventions as `topk_tv`; 0 log 0 = 0. Where a listed π_k (or π_rest) is 0 but
-    μ is not, π is raised to `min(1e-7, μ)` so the value stays finite (see `binary_kl`).
+    Same token-set, padding and NaN conventions as `topk_tv`; 0 log 0 = 0. Where a listed π_k (or π_rest) is exactly
+    0 but μ is not, the exact value is infinite: that π is raised to `min(1e-7, μ)` so D stays finite (see
+    `binary_kl`). Every other π is used as it is.
     """
     pi_lp, mu_lp, pi_rest, mu_rest = _topk_probs(pi_topk_logps, mu_topk_logps)
-    log_eps = math.log(_KL_EPS)
-    pi_lp = torch.maximum(pi_lp, torch.clamp(mu_lp, max=log_eps))
+    pi_lp = torch.where(pi_lp == -math.inf, torch.clamp(mu_lp, max=math.log(_KL_EPS)), pi_lp)
     listed = _bernoulli_kl_term(torch.exp(mu_lp), mu_lp, pi_lp).sum(-1)
-    pi_rest = torch.maximum(pi_rest, torch.clamp(mu_rest, max=_KL_EPS))
+    pi_rest = torch.where(pi_rest == 0, torch.clamp(mu_rest, max=_KL_EPS), pi_rest)
     rest = _bernoulli_kl_term(mu_rest, torch.log(mu_rest), torch.log(pi_rest))
     return (listed + rest).clamp(min=0.0)
 
 
-def divergence(
-    kind: str,
+def compute_divergence(
+    divergence: str,
     pi_logps: Tensor,
     mu_logps: Tensor,
     pi_topk_logps: Tensor | None = None,
     mu_topk_logps: Tensor | None = None,
 ) -> Tensor:
-    """Dispatch to one of eqs. 13-16. KL is always KL(μ ‖ π); top-K kinds need the `(..., J)` tensors."""
-    if kind == "binary_tv":
+    """D of eqs. 13-16, by name (`DPPOConfig.divergence`). KL is always KL(μ ‖ π); top-K kinds need the `(..., J)`
+    tensors listing TopK(μ) ∪ {y_t}."""
+    if divergence == "binary_tv":
         return binary_tv(pi_logps, mu_logps)
-    if kind == "binary_kl":
+    if divergence == "binary_kl":
         return binary_kl(pi_logps, mu_logps)
-    if kind in ("topk_tv", "topk_kl"):
+    if divergence in ("topk_tv", "topk_kl"):
         if pi_topk_logps is None or mu_topk_logps is None:
-            raise ValueError(f"Divergence {kind!r} needs `pi_topk_logps` and `mu_topk_logps`.")
-        fn = topk_tv if kind == "topk_tv" else topk_kl
+            raise ValueError(f"Divergence {divergence!r} needs `pi_topk_logps` and `mu_topk_logps`.")
+        fn = topk_tv if divergence == "topk_tv" else topk_kl
         return fn(pi_topk_logps, mu_topk_logps)
-    raise ValueError(f"Unknown divergence {kind!r}; expected one of {DIVERGENCES}.")
+    raise ValueError(f"Unknown divergence {divergence!r}; expected one of {DIVERGENCES}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Eq. 12: the trust-region mask
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def trust_region_mask(
@@ -196,6 +208,11 @@ def trust_region_mask(
     return (~(drop_pos | drop_neg)).to(torch.float32)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Eq. 11: the DPPO objective
+# ---------------------------------------------------------------------------------------------------------------------
+
+
 def ratio_coefficient(pi_logps: Tensor, mu_logps: Tensor, ratio_cap: float) -> Tensor:
     """The truncated importance ratio min(π/μ, C) of eq. 11, computed as exp(min(log π - log μ, log C)).
 
@@ -214,22 +231,32 @@ def ratio_coefficient(pi_logps: Tensor, mu_logps: Tensor, ratio_cap: float) -> T
     return _exp_clamped(log_ratio)
 
 
-def dppo_per_token_loss(
+@torch.no_grad()
+def dppo_coefficient(
     pi_logps: Tensor,
     mu_logps: Tensor,
     advantages: Tensor,
-    keep_mask: Tensor,
-    ratio_cap: float,
+    divergence: str = "binary_tv",
+    delta_low: float | None = None,
+    delta_high: float | None = None,
+    ratio_cap: float = math.inf,
+    pi_topk_logps: Tensor | None = None,
+    mu_topk_logps: Tensor | None = None,
 ) -> Tensor:
-    """Reference per-token DPPO loss of eq. 11: -A_t · sg(min(π/μ, C)) · M_t · log π(y_t).
+    """Eq. 11. DPPO's per-token loss is
 
-    `pi_logps` carries the gradient, so ∇ loss_t = -A_t · min(π/μ, C) · M_t · ∇ log π(y_t). Tokens whose weight
-    A · coef · M is exactly 0 contribute exactly 0 (also when log π = -inf). Returns float32 (float64 for float64
-    inputs), shape broadcast of the inputs; aggregation over tokens is the caller's choice.
+        loss_t = −A_t · sg(min(π/μ, C) · M_t) · log π(y_t),
+
+    so its gradient is `−A_t · w_t · ∇log π(y_t)` with the detached coefficient returned here:
+
+        w_t = min(π/μ, C) · M_t,    M_t from eq. 12 on D(π, μ) of eqs. 13-16.
+
+    μ is the behavior policy itself (the engine that sampled) in both the ratio and the mask, never a recomputed
+    π_old. δ defaults to the authors' values (0.15 TV, 0.05 KL); C defaults to no cap (the authors ran with 1e4).
+    Every baseline trust region in `dppo_trl.baselines` returns a coefficient of the same form.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    pi_lp = pi_logps.to(dtype)
-    coef = ratio_coefficient(pi_lp.detach(), mu_logps, ratio_cap)
-    weight = (advantages.to(dtype) * coef * keep_mask.to(dtype)).detach()
-    loss = -weight * pi_lp
-    return torch.where(weight == 0, torch.zeros((), dtype=dtype, device=loss.device), loss)
+    delta_low = default_delta(divergence) if delta_low is None else delta_low
+    delta_high = default_delta(divergence) if delta_high is None else delta_high
+    div = compute_divergence(divergence, pi_logps, mu_logps, pi_topk_logps, mu_topk_logps)
+    keep = trust_region_mask(pi_logps, mu_logps, advantages, div, delta_low, delta_high)
+    return ratio_coefficient(pi_logps, mu_logps, ratio_cap) * keep.to(div.dtype)

@@ -116,3 +116,19 @@ def test_topk_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra):
             train_dataset=prompt_dataset(),
             **{extra: value},
         )
+
+
+def test_docstring_documents_every_dppo_field_in_groups():
+    """TRL's convention: the class docstring lists each DPPO field (grouped, with its equation) and its help exists."""
+    from dataclasses import fields
+
+    own = [f for f in fields(DPPOConfig) if f.name not in {g.name for g in fields(GRPOConfig)}]
+    own.append(next(f for f in fields(DPPOConfig) if f.name == "vllm_importance_sampling_correction"))
+    doc = DPPOConfig.__doc__
+    for f in own:
+        assert f"        {f.name} (`" in doc, f"{f.name} missing from DPPOConfig's Parameters docstring"
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+    for group in ("trust region (eqs. 11-16)", "anchor", "ablations"):
+        assert f"> Parameters that define the {group}" in doc or f"> Parameters for {group}" in doc, group
+    for equation in ("eq. 11", "eq. 12", "eq. 13", "eq. 14", "eqs. 15-16"):
+        assert equation in doc, equation

@@ -31,12 +31,13 @@ def test_refused_without_cuda(tmp_path):
 @pytest.mark.gpu
 def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
     pytest.importorskip("liger_kernel")
+    from references import dppo_per_token_loss
     from test_loss_gradient import ADVANTAGES, PROMPT_LEN, _crafted_batch
     from trainer_setup import ascii_reward, prompt_dataset
 
     from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOTrainer
-    from dppo_trl.trust_region import divergence, dppo_per_token_loss, trust_region_mask
+    from dppo_trl.trust_region import compute_divergence, trust_region_mask
 
     args = DPPOConfig(
         output_dir=str(tmp_path),
@@ -70,7 +71,9 @@ def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
     logits = model(input_ids=ids.cuda(), attention_mask=attn.cuda()).logits[:, PROMPT_LEN - 1 : -1]
     pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
     adv, mu, valid = ADVANTAGES.cuda().unsqueeze(1), mu.cuda(), valid.cuda()
-    keep = trust_region_mask(pi.detach(), mu, adv, divergence("binary_tv", pi.detach(), mu), 0.02, 0.001) * valid
+    keep = (
+        trust_region_mask(pi.detach(), mu, adv, compute_divergence("binary_tv", pi.detach(), mu), 0.02, 0.001) * valid
+    )
     mask = inputs["completion_mask"].float()
     ((dppo_per_token_loss(pi, mu, adv, keep, 2.0) * mask).sum() / mask.sum()).backward()
     for name, param in model.named_parameters():

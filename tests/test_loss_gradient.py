@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from references import dppo_per_token_loss
 
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
-from dppo_trl.trust_region import divergence, dppo_per_token_loss, trust_region_mask
+from dppo_trl.trust_region import compute_divergence, trust_region_mask
 
 PROMPT_LEN, COMPLETION_LEN = 3, 6
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.7, -1.5])
@@ -151,7 +152,7 @@ def test_gradient_through_parent_loss_equals_eq11(tiny_model_dir, tokenizer, tmp
     logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
     pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
     adv = ADVANTAGES.unsqueeze(1)
-    div = divergence(kind, pi.detach(), mu)
+    div = compute_divergence(kind, pi.detach(), mu)
     keep = trust_region_mask(pi.detach(), mu, adv, div, delta_low, delta_high) * valid
     per_token = dppo_per_token_loss(pi, mu, adv, keep, cap)
     reference = _aggregate(per_token, inputs["completion_mask"].float(), loss_type, COMPLETION_LEN)
@@ -198,14 +199,14 @@ ABLATIONS = ["grpo_clip", "clip_higher", "cispo", "pg_is", "minirl", "dppo_decou
 
 @pytest.mark.parametrize("name", ABLATIONS)
 def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path, name):
-    """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.ablations)."""
-    from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
+    """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.baselines)."""
+    from dppo_trl.registry import TRUST_REGIONS
     from dppo_trl.trainer import RECOMPUTED_LOGPS
 
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, trust_region=name, delta_low=0.02, delta_high=0.001)
     model = trainer.model
     inputs, ids, attn, mu, valid = _crafted_batch(model, torch.Generator().manual_seed(2))
-    if name in NEEDS_OLD_LOGPS:
+    if TRUST_REGIONS[name].needs_old_logps:
         # A π_old between π and μ, so the recompute anchor differs from both.
         inputs[RECOMPUTED_LOGPS] = (inputs["old_per_token_logps"] + 0.3).clamp(max=0.0)
 
@@ -221,17 +222,17 @@ def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_pa
     adv = ADVANTAGES.unsqueeze(1).expand_as(pi)
     kwargs = {
         "grpo_clip": {"eps_low": 0.2, "eps_high": 0.2},
-        "clip_higher": {"eps_low": 0.2},
+        "clip_higher": {"eps_low": 0.2, "eps_high": 0.28},
         "cispo": {},
         "pg_is": {},
         "minirl": {"eps_low": 0.2, "eps_high": 0.2},
-        "dppo_decoupled": {"divergence_kind": "binary_tv", "delta_low": 0.02, "delta_high": 0.001, "ratio_cap": 20.0},
+        "dppo_decoupled": {"divergence": "binary_tv", "delta_low": 0.02, "delta_high": 0.001, "ratio_cap": 20.0},
         "relax_low": {"alpha": 0.1, "relax": "low", "eps_low": 0.2, "eps_high": 0.2},
         "relax_both": {"alpha": 0.1, "relax": "both", "eps_low": 0.2, "eps_high": 0.2},
     }[name]
-    fn = "relaxed_clip" if name.startswith("relax_") else name
-    old = inputs.get(RECOMPUTED_LOGPS)
-    coef = trust_region_coefficient(fn, pi.detach(), mu, adv, old=old, **kwargs).clamp(max=1e6) * valid
+    if RECOMPUTED_LOGPS in inputs:
+        kwargs["old_logps"] = inputs[RECOMPUTED_LOGPS]
+    coef = TRUST_REGIONS[name].coefficient(pi.detach(), mu, adv, **kwargs).clamp(max=1e6) * valid
     mask = inputs["completion_mask"].float()
     (-(adv * coef * pi * mask).sum() / mask.sum()).backward()
     for param_name, param in model.named_parameters():
@@ -266,7 +267,9 @@ def test_tool_mask_tokens_carry_no_gradient(tiny_model_dir, tokenizer, tmp_path)
     pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
     adv = ADVANTAGES.unsqueeze(1)
     mu_ref = inputs[BEHAVIOR_LOGPS]
-    keep = trust_region_mask(pi.detach(), mu_ref, adv, divergence("binary_tv", pi.detach(), mu_ref), 0.02, 0.001)
+    keep = trust_region_mask(
+        pi.detach(), mu_ref, adv, compute_divergence("binary_tv", pi.detach(), mu_ref), 0.02, 0.001
+    )
     mask = (inputs["completion_mask"] * tool_mask).float()
     per_token = dppo_per_token_loss(pi, mu_ref, adv, keep * inputs[BEHAVIOR_VALID], 2.0)
     ((per_token * mask).sum() / mask.sum()).backward()

@@ -22,7 +22,7 @@ import torch
 
 from dppo_dev import topk_reference
 from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids, naive_topk_logps
-from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
+from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 
 # Both sides upcast the same (possibly bf16) values and compute in float32, so they differ only in summation order:
 # with H = 64 and logits of magnitude ≲ 10 that is ~1e-6 per logit, and log-probabilities (a difference of two
@@ -135,7 +135,7 @@ def test_transform_validation():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Design B: logps_at_ids_from_anchor
+# Design B: logps_at_ids_from_sampled
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -147,11 +147,11 @@ def test_anchor_matches_naive(dtype, transform_name, bias):
     hidden, weight, b = make_inputs(dtype, bias=bias)
     ids = make_ids(hidden, weight, b, transform)
     ref = naive_logps_at_ids(hidden, weight, ids, bias=b, transform=transform)
-    anchor_ids = ids[:, 0]
-    out = logps_at_ids_from_anchor(
-        hidden, weight, ids[:, 1:], anchor_ids, ref[:, 0], bias=b, transform=transform, chunk_size=16
+    sampled_ids = ids[:, 0]
+    out = logps_at_ids_from_sampled(
+        hidden, weight, ids[:, 1:], sampled_ids, ref[:, 0], bias=b, transform=transform, chunk_size=16
     )
-    assert_logps_close(out, ref[:, 1:], ids[:, 1:] | torch.where(anchor_ids < 0, -1, 0)[:, None])
+    assert_logps_close(out, ref[:, 1:], ids[:, 1:] | torch.where(sampled_ids < 0, -1, 0)[:, None])
 
 
 def test_anchor_tied_head_and_other_anchor():
@@ -159,19 +159,21 @@ def test_anchor_tied_head_and_other_anchor():
     hidden, weight, _ = make_inputs(tied=True)
     transform = TRANSFORMS["scale_softcap"]
     ids = make_ids(hidden, weight, None, transform)
-    anchor_ids = torch.randint(0, V, (M,))
-    anchor_logps = naive_logps_at_ids(hidden, weight, anchor_ids[:, None], transform=transform)[:, 0]
-    out = logps_at_ids_from_anchor(hidden, weight, ids, anchor_ids, anchor_logps, transform=transform, chunk_size=10)
+    sampled_ids = torch.randint(0, V, (M,))
+    sampled_logps = naive_logps_at_ids(hidden, weight, sampled_ids[:, None], transform=transform)[:, 0]
+    out = logps_at_ids_from_sampled(
+        hidden, weight, ids, sampled_ids, sampled_logps, transform=transform, chunk_size=10
+    )
     assert_logps_close(out, naive_logps_at_ids(hidden, weight, ids, transform=transform), ids)
 
 
 def test_anchor_padding_anchor_row_and_no_grad():
     hidden, weight, _ = make_inputs(requires_grad=True)
     ids = torch.randint(0, V, (M, 3))
-    anchor_ids = ids[:, 0].clone()
-    anchor_ids[4] = -1
+    sampled_ids = ids[:, 0].clone()
+    sampled_ids[4] = -1
     ref = naive_logps_at_ids(hidden, weight, ids)
-    out = logps_at_ids_from_anchor(hidden, weight, ids, anchor_ids, ref[:, 0])
+    out = logps_at_ids_from_sampled(hidden, weight, ids, sampled_ids, ref[:, 0])
     assert not out.requires_grad
     assert torch.isneginf(out[4]).all()
     keep = torch.arange(M) != 4
@@ -190,7 +192,7 @@ def test_anchor_from_trl_fused_head(transform_name):
     trl_logps = ChunkedLogProbFunction.apply(
         hidden, weight, b, sampled, transform.temperature, 64, transform.softcap, transform.logit_scale, ()
     )[0]
-    out = logps_at_ids_from_anchor(hidden, weight, ids, sampled, trl_logps, bias=b, transform=transform)
+    out = logps_at_ids_from_sampled(hidden, weight, ids, sampled, trl_logps, bias=b, transform=transform)
     ref = naive_logps_at_ids(hidden, weight, ids, bias=b, transform=transform)
     assert_logps_close(out, ref, ids)
 
@@ -349,7 +351,7 @@ def test_fused_ignores_autocast_and_unused_output():
     ref = fused_linear_logps_at_ids(hidden, weight, ids)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fused_linear_logps_at_ids(hidden, weight, ids)
-        anchored = logps_at_ids_from_anchor(hidden, weight, ids, ids[:, 0], ref[:, 0].detach())
+        anchored = logps_at_ids_from_sampled(hidden, weight, ids, ids[:, 0], ref[:, 0].detach())
     assert out.dtype == anchored.dtype == torch.float32
     torch.testing.assert_close(out, ref)
     assert_logps_close(anchored, ref.detach(), ids)
@@ -404,7 +406,7 @@ def test_cuda_bf16_matches_float32_reference():
     logps, topk_ids = chunked_topk_logps(hidden, weight, 20, bias=b, transform=transform, vocab_tile=64)
     ref_logps, _ = naive_topk_logps(hidden, weight, 20, bias=b, transform=transform)
     torch.testing.assert_close(logps, ref_logps, atol=1e-4, rtol=0)
-    anchored = logps_at_ids_from_anchor(
+    anchored = logps_at_ids_from_sampled(
         hidden, weight, ids, ids[:, 0], ref[:, 0].detach(), bias=b, transform=transform
     )
     assert_logps_close(anchored, ref.detach(), ids, atol=1e-4)
@@ -442,6 +444,6 @@ def test_empty_batch():
     assert out.shape == (0, K + 1)
     out.sum().backward()
     assert hidden.grad.shape == (0, H)
-    assert logps_at_ids_from_anchor(hidden, weight, ids, ids[:, 0], torch.zeros(0)).shape == (0, K + 1)
+    assert logps_at_ids_from_sampled(hidden, weight, ids, ids[:, 0], torch.zeros(0)).shape == (0, K + 1)
     logps, top_ids = chunked_topk_logps(hidden, weight, K)
     assert logps.shape == top_ids.shape == (0, K)

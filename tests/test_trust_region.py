@@ -7,15 +7,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import dppo_per_token_loss
 
 from dppo_trl.trust_region import (
     DEFAULT_DELTAS,
     DIVERGENCES,
     binary_kl,
     binary_tv,
+    compute_divergence,
     default_delta,
-    divergence,
-    dppo_per_token_loss,
+    dppo_coefficient,
     ratio_coefficient,
     topk_kl,
     topk_tv,
@@ -80,15 +81,15 @@ def test_default_delta_and_divergence_dispatch():
         default_delta("tv")
     pi, mu = torch.tensor([-0.5, -2.0]), torch.tensor([-1.0, -1.5])
     pi_k, mu_k = torch.tensor([[-0.5, -3.0], [-2.0, -1.0]]), torch.tensor([[-1.0, -2.0], [-1.5, -0.7]])
-    assert torch.equal(divergence("binary_tv", pi, mu), binary_tv(pi, mu))
-    assert torch.equal(divergence("binary_kl", pi, mu), binary_kl(pi, mu))
-    assert torch.equal(divergence("topk_tv", pi, mu, pi_k, mu_k), topk_tv(pi_k, mu_k))
-    assert torch.equal(divergence("topk_kl", pi, mu, pi_k, mu_k), topk_kl(pi_k, mu_k))
+    assert torch.equal(compute_divergence("binary_tv", pi, mu), binary_tv(pi, mu))
+    assert torch.equal(compute_divergence("binary_kl", pi, mu), binary_kl(pi, mu))
+    assert torch.equal(compute_divergence("topk_tv", pi, mu, pi_k, mu_k), topk_tv(pi_k, mu_k))
+    assert torch.equal(compute_divergence("topk_kl", pi, mu, pi_k, mu_k), topk_kl(pi_k, mu_k))
     assert set(DIVERGENCES) == {"binary_tv", "binary_kl", "topk_tv", "topk_kl"}
     with pytest.raises(ValueError):
-        divergence("topk_kl", pi, mu)
+        compute_divergence("topk_kl", pi, mu)
     with pytest.raises(ValueError):
-        divergence("full_kl", pi, mu)
+        compute_divergence("full_kl", pi, mu)
 
 
 # ----------------------------------------------------------------------------- binary divergences
@@ -305,7 +306,7 @@ def test_mask_is_eq12_and_never_blocks_a_move_back(rows, delta_low, delta_high, 
     pi = torch.tensor([r[0] for r in rows], dtype=dtype)
     mu = torch.tensor([r[1] for r in rows], dtype=dtype)
     adv = torch.tensor([r[2] for r in rows])
-    div = divergence(kind, pi, mu)
+    div = compute_divergence(kind, pi, mu)
     assert torch.isfinite(div).all() and (div >= 0).all()
     mask = trust_region_mask(pi, mu, adv, div, delta_low, delta_high)
     assert mask.dtype == torch.float32 and mask.shape == pi.shape
@@ -338,7 +339,7 @@ def test_nan_inputs_do_not_raise():
     mu = torch.tensor([-1.0, math.nan, -0.7])
     adv = torch.tensor([1.0, -1.0, 1.0])
     for kind in ("binary_tv", "binary_kl"):
-        div = divergence(kind, pi, mu)
+        div = compute_divergence(kind, pi, mu)
         mask = trust_region_mask(pi, mu, adv, div, 0.1, 0.1)
         assert mask[:2].tolist() == [1.0, 1.0]
 
@@ -423,3 +424,39 @@ def test_loss_broadcasts_advantages_and_zero_weight_is_exact():
     assert out.dtype == torch.float32
     out.sum().backward()
     assert pi_bf16.grad.dtype == torch.bfloat16
+
+
+def test_dppo_coefficient_is_the_gradient_of_eq11():
+    """`dppo_coefficient` (what the trainer uses) is exactly the w of eq. 11's gradient −A · w · ∇log π."""
+    pi_full, mu_full = _random_dists(5, 64, 30)
+    y = torch.randint(0, 30, (64,), generator=torch.Generator().manual_seed(6))
+    pi = pi_full.gather(-1, y[:, None]).squeeze(-1).requires_grad_()
+    mu = mu_full.gather(-1, y[:, None]).squeeze(-1)
+    adv = torch.randn(64, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for kind, delta, cap in (("binary_tv", 0.15, 2.0), ("binary_kl", 0.05, 5.0)):
+        keep = trust_region_mask(pi.detach(), mu, adv, compute_divergence(kind, pi.detach(), mu), delta, delta)
+        (grad,) = torch.autograd.grad(dppo_per_token_loss(pi, mu, adv, keep, cap).sum(), pi)
+        w = dppo_coefficient(pi.detach(), mu, adv, kind, delta, delta, cap)
+        torch.testing.assert_close(grad, -adv * w, rtol=1e-12, atol=1e-14)
+        assert (w == 0).any() and (w > 0).any()  # both regimes of the mask are exercised
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_floors_only_infinite_values(dtype):
+    """A finite π, however close to 0 or 1, is used as it is; only π exactly 0 or 1 (infinite KL) is moved."""
+    mu = torch.tensor([math.log(0.5), math.log(0.5), math.log(0.5), math.log(0.5)], dtype=dtype)
+    pi = torch.tensor([math.log(1e-9), math.log(1e-30), NEG_INF, 0.0], dtype=dtype)
+    kl = binary_kl(pi, mu)
+    exact = [0.5 * math.log(0.5 / p) + 0.5 * math.log(0.5 / (1 - p)) for p in (1e-9, 1e-30)]
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    assert kl[0].item() == pytest.approx(exact[0], rel=tol) and kl[1].item() == pytest.approx(exact[1], rel=tol)
+    # π = 0 and π = 1 (infinite exact KL): π moved to 1e-7 from the boundary.
+    floor0 = 0.5 * math.log(0.5 / 1e-7) + 0.5 * math.log(0.5 / (1 - 1e-7))
+    floor1 = 0.5 * math.log(0.5 / (1 - 1e-7)) + 0.5 * math.log(0.5 / 1e-7)
+    assert kl[2].item() == pytest.approx(floor0, rel=1e-5) and kl[3].item() == pytest.approx(floor1, rel=1e-5)
+    assert kl[1] > kl[2]  # a finite π below the floor is not raised to it
+    # Top-K KL: same rule for listed slots and the rest bucket.
+    pi_k = torch.tensor([[math.log(1e-30), math.log(0.5)], [NEG_INF, math.log(0.5)]], dtype=dtype)
+    mu_k = torch.tensor([[math.log(0.5), math.log(0.25)], [math.log(0.5), math.log(0.25)]], dtype=dtype)
+    topk = topk_kl(pi_k, mu_k)
+    assert topk[0] > topk[1] and torch.isfinite(topk).all()

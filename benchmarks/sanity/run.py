@@ -38,24 +38,20 @@ from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
+from dppo_trl.registry import TRUST_REGIONS  # noqa: E402
+
 DEFAULT_MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 DEFAULT_DATA = os.path.join(REPO_ROOT, "examples", "data", "tiny_math", "train.jsonl")
 PORT_BASE = 29800  # the benchmark's block: 29800-29899
 
-# Method name -> DPPOConfig overrides. All share the μ-anchored data path; only the trust region differs.
+# Method name -> DPPOConfig overrides. All share the μ-anchored data path; only the trust region differs: DPPO with
+# each binary divergence (δ = 0.15 TV / 0.05 KL, the authors'), the recompute anchor (§5.2 control), then every
+# baseline of `dppo_trl.registry.TRUST_REGIONS` (a baseline added there appears here by itself).
 METHODS: dict[str, dict] = {
-    "dppo_tv": {"divergence": "binary_tv"},  # δ = 0.15 (authors)
-    "dppo_kl": {"divergence": "binary_kl"},  # δ = 0.05 (authors)
-    "grpo_clip": {"trust_region": "grpo_clip"},  # ε = 0.2 / 0.2
-    "clip_higher": {"trust_region": "clip_higher"},  # ε = 0.2 / 0.28
-    "cispo": {"trust_region": "cispo"},
-    "pg_is": {"trust_region": "pg_is"},
-    "minirl": {"trust_region": "minirl"},
+    "dppo_tv": {"divergence": "binary_tv"},
+    "dppo_kl": {"divergence": "binary_kl"},
     "dppo_recompute": {"anchor": "recompute"},
-    "dppo_decoupled": {"trust_region": "dppo_decoupled"},
-    "relax_low": {"trust_region": "relax_low"},
-    "relax_high": {"trust_region": "relax_high"},
-    "relax_both": {"trust_region": "relax_both"},
+    **{name: {"trust_region": name} for name in TRUST_REGIONS if name != "dppo"},
 }
 HEADLINE = ("dppo_tv", "grpo_clip", "pg_is")
 CURVE_KEYS = {

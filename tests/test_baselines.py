@@ -1,25 +1,30 @@
-"""Tests for dppo_trl.ablations: each coefficient against the autograd of the method's own surrogate objective."""
+"""Tests for dppo_trl.baselines and dppo_trl.registry: each coefficient against the autograd of the method's own
+surrogate objective, and the registry's dispatch."""
 
 import math
 
 import pytest
 import torch
 
-from dppo_trl.ablations import (
+from dppo_trl.baselines import (
     CISPO_EPS_MAX,
-    NEEDS_OLD_LOGPS,
-    TRUST_REGIONS,
     cispo_coefficient,
-    clip_higher_coefficient,
-    dppo_coefficient,
     dppo_decoupled_coefficient,
     grpo_clip_coefficient,
     minirl_coefficient,
     pg_is_coefficient,
     relaxed_clip_coefficient,
-    trust_region_coefficient,
 )
-from dppo_trl.trust_region import binary_tv, ratio_coefficient, trust_region_mask
+from dppo_trl.registry import TRUST_REGIONS, trust_region_table
+from dppo_trl.trust_region import binary_tv, dppo_coefficient, ratio_coefficient, trust_region_mask
+
+NEEDS_OLD_LOGPS = {name for name, entry in TRUST_REGIONS.items() if entry.needs_old_logps}
+
+
+def clip_higher_coefficient(pi, mu, adv):
+    """The registry's `clip_higher` entry with ε_low = 0.2."""
+    entry = TRUST_REGIONS["clip_higher"]
+    return entry.coefficient(pi, mu, adv, eps_low=0.2, **entry.fixed)
 
 
 def _random_inputs(seed: int, n: int = 256) -> tuple[torch.Tensor, ...]:
@@ -126,11 +131,11 @@ def test_dppo_and_decoupled(cap):
     div = binary_tv(pi, mu)
     blocks = ratio_coefficient(pi, mu, cap) * trust_region_mask(pi, mu, adv, div, 0.15, 0.15).double()
     torch.testing.assert_close(coef, blocks)
-    kl = dppo_coefficient(pi, mu, adv, divergence_kind="binary_kl", delta_low=0.05, delta_high=0.05)
+    kl = dppo_coefficient(pi, mu, adv, divergence="binary_kl", delta_low=0.05, delta_high=0.05)
     assert torch.isfinite(kl).all() and (kl == 0).any()
     pi_k = torch.stack([pi, torch.full_like(pi, -math.inf)], -1)
     mu_k = torch.stack([mu, torch.full_like(mu, -math.inf)], -1)
-    topk = dppo_coefficient(pi, mu, adv, divergence_kind="topk_tv", pi_topk=pi_k, mu_topk=mu_k, ratio_cap=cap)
+    topk = dppo_coefficient(pi, mu, adv, divergence="topk_tv", pi_topk_logps=pi_k, mu_topk_logps=mu_k, ratio_cap=cap)
     # With the sampled token alone in the set, top-K TV equals binary TV.
     torch.testing.assert_close(topk, coef)
 
@@ -178,9 +183,11 @@ def test_no_overflow_dtype_and_detached():
     mu = torch.tensor([-80.0, -200.0, -math.inf, -math.inf], dtype=torch.bfloat16)
     old = torch.tensor([-0.1, -0.1, -1.0, -1.0], dtype=torch.bfloat16)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
-    for name in TRUST_REGIONS:
-        kwargs = {"alpha": 0.1} if name == "relaxed_clip" else {}
-        coef = trust_region_coefficient(name, pi, mu, adv, old=old, **kwargs)
+    for name, entry in TRUST_REGIONS.items():
+        kwargs = {**entry.fixed, **({"alpha": 0.1} if "alpha" in entry.config_fields else {})}
+        if entry.needs_old_logps:
+            kwargs["old_logps"] = old
+        coef = entry.coefficient(pi, mu, adv, **kwargs)
         assert coef.dtype == torch.float32 and not coef.requires_grad, name
         assert torch.isfinite(coef).all() and (coef >= 0).all(), (name, coef)
         assert coef[3] == 0, name  # π = 0: ratio 0
@@ -188,14 +195,48 @@ def test_no_overflow_dtype_and_detached():
 
 
 def test_registry_dispatch():
+    from types import SimpleNamespace
+
     pi, mu, old, adv = _random_inputs(7, n=32)
     assert NEEDS_OLD_LOGPS == {"minirl", "dppo_decoupled"}
-    torch.testing.assert_close(trust_region_coefficient("grpo_clip", pi, mu, adv), grpo_clip_coefficient(pi, mu, adv))
+    assert {name for name, entry in TRUST_REGIONS.items() if entry.uses_top_k} == {"dppo"}
+    config = SimpleNamespace(
+        epsilon=0.2, relax_alpha=0.1, divergence="binary_tv", delta_low=0.15, delta_high=0.15, ratio_cap=2.0
+    )
+    assert TRUST_REGIONS["grpo_clip"].kwargs(config) == {"eps_low": 0.2, "eps_high": 0.2}
+    assert TRUST_REGIONS["clip_higher"].kwargs(config) == {"eps_low": 0.2, "eps_high": 0.28}
+    assert TRUST_REGIONS["relax_both"].kwargs(config) == {
+        "relax": "both",
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "alpha": 0.1,
+    }
+    assert TRUST_REGIONS["dppo"].kwargs(config) == {
+        "divergence": "binary_tv",
+        "delta_low": 0.15,
+        "delta_high": 0.15,
+        "ratio_cap": 2.0,
+    }
     torch.testing.assert_close(
-        trust_region_coefficient("minirl", pi, mu, adv, old=old, eps_high=0.28),
+        TRUST_REGIONS["grpo_clip"].coefficient(pi, mu, adv, **TRUST_REGIONS["grpo_clip"].kwargs(config)),
+        grpo_clip_coefficient(pi, mu, adv),
+    )
+    torch.testing.assert_close(
+        TRUST_REGIONS["minirl"].coefficient(pi, mu, adv, old_logps=old, eps_high=0.28),
         minirl_coefficient(pi, mu, adv, old, eps_high=0.28),
     )
-    with pytest.raises(ValueError):
-        trust_region_coefficient("minirl", pi, mu, adv)
-    with pytest.raises(ValueError):
-        trust_region_coefficient("ppo_kl", pi, mu, adv)
+    torch.testing.assert_close(
+        TRUST_REGIONS["dppo"].coefficient(pi, mu, adv, **TRUST_REGIONS["dppo"].kwargs(config)),
+        dppo_coefficient(pi, mu, adv, ratio_cap=2.0),
+    )
+    with pytest.raises(TypeError):
+        TRUST_REGIONS["minirl"].coefficient(pi, mu, adv)  # π_old is required
+    with pytest.raises(TypeError):
+        TRUST_REGIONS["ppo_kl"] = TRUST_REGIONS["dppo"]  # read-only: one table, edited in the source
+
+
+def test_docs_api_lists_the_registry():
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    assert trust_region_table() in api, "docs/api.md's trust-region table is out of date: paste trust_region_table()"
