@@ -143,3 +143,37 @@ def test_resume_inside_a_generation_batch_warns(tiny_model_dir, tmp_path):
     with pytest.warns(UserWarning, match="Resuming at step 1, 1 of 2 micro-steps into a generation batch"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert all(torch.isfinite(torch.tensor(logged(resumed, "loss"))))
+
+
+# --- two ranks (torchrun, DDP on gloo) ----------------------------------------------------------------------------
+_DDP_SCRIPT = """
+import sys
+sys.path[:0] = {paths!r}
+from dppo_dev.offline import set_offline_env
+set_offline_env()
+from trainer_setup import make_trainer
+trainer = make_trainer({model!r}, {out!r}, save_strategy="steps", save_steps=1, max_steps=2, logging_steps=1)
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_write_into_the_staged_checkpoint_before_it_is_renamed(tiny_model_dir, tmp_path, free_port):
+    """Every rank writes its RNG state into the checkpoint; the rename waits for all of them."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    script = tmp_path / "train.py"
+    paths = [root, os.path.join(root, "examples"), os.path.join(root, "tests")]
+    script.write_text(_DDP_SCRIPT.format(paths=paths, model=tiny_model_dir, out=str(out)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    result = subprocess.run(
+        command + [str(free_port), str(script)], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p for p in os.listdir(out) if "checkpoint" in p) == ["checkpoint-1", "checkpoint-2"]
+    for step in (1, 2):
+        files = set(os.listdir(out / f"checkpoint-{step}"))
+        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= files

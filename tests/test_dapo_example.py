@@ -72,6 +72,15 @@ def test_gpu_recipes_match_the_authors_batch_shape(example, recipe):
     assert args.use_vllm and not args.vllm_importance_sampling_correction
 
 
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
+def test_gpu_recipes_save_on_generation_boundaries(example, recipe):
+    """Their checkpoints resume exactly: save_steps is a multiple of the generation cycle (docs/api.md)."""
+    from dppo_trl.checkpoints import save_steps_hint
+
+    _, args, _ = example.parse_args(["--config", recipe])
+    assert args.save_strategy == "steps" and save_steps_hint(args) is None
+
+
 def test_moe_lora_recipe_keeps_router_loss_and_targets_experts(example):
     (recipe,) = [r for r in RECIPES if "lora" in r]
     _, args, model_args = example.parse_args(["--config", recipe])
