@@ -33,7 +33,10 @@ from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
+from dppo_trl.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
 from dppo_trl.config import DPPOConfig
+from dppo_trl.inputs import check_trainer_inputs
+from dppo_trl.model_card import dataset_for_card, finish_model_card
 from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 from dppo_trl.trust_region import binary_kl, compute_divergence
@@ -122,6 +125,7 @@ class DPPOTrainer(GRPOTrainer):
                 patch_trl_vllm_for_cpu()
 
         super().__init__(*bound.args[1:], **bound.kwargs)
+        self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
 
         # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
         self.epsilon_low, self.epsilon_high = 1.0, math.inf
@@ -227,14 +231,31 @@ class DPPOTrainer(GRPOTrainer):
         return weight
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card, plus the DPPO settings that matter for reproducing the run."""
+        """TRL's model card with honest provenance and versions (`dppo_trl/model_card.py`), plus the DPPO settings."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += ["dppo", f"dppo-{self.args.divergence.replace('_', '-')}"]
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        model_name = model_name or (self.args.hub_model_id or os.path.normpath(self.args.output_dir)).split("/")[-1]
+        hub_dataset, _ = dataset_for_card(dataset_name)  # a local path never reaches the card's metadata
+        super().create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
         if self.is_world_process_zero() and os.path.exists(path):
+            finish_model_card(
+                path,
+                args=self.args,
+                model_name_or_path=getattr(self.model.config, "_name_or_path", None),
+                dataset_name=dataset_name,
+                model_name=model_name,
+                hub_model_id=self.hub_model_id,
+                processing_class=self.processing_class,
+                train_dataset=self.train_dataset,
+            )
             with open(path, "a", encoding="utf-8") as card:
                 card.write("\n" + dppo_card_section(self.args))
+
+    def _save_checkpoint(self, model, trial):
+        """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/checkpoints.py`)."""
+        with staged_checkpoint(self, trial):
+            super()._save_checkpoint(model, trial)
 
     # ------------------------------------------------------------------------------------------------------------
     # DPPO glue
@@ -522,6 +543,7 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
         )
+    check_trainer_inputs(config, params)  # datasets, chat template, lengths (dppo_trl/inputs.py)
 
 
 def _with_behavior_invariants(inputs: dict) -> dict:

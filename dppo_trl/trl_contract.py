@@ -32,6 +32,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
         "off_policy_threshold",
     ),
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
+    "_save_checkpoint": ("self", "model", "trial"),
 }
 
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
@@ -107,3 +108,33 @@ CONFIG_FIELDS = (
 
 # Helpers imported from `trl.trainer.utils`.
 UTILS = ("maybe_gather_lm_head_ctx", "add_fused_lm_head", "shuffle_sequence_dict", "split_tensor_dict")
+
+# Checkpoints (dppo_trl/checkpoints.py): transformers' `_save_checkpoint` writes every file under
+# `self._get_output_dir(trial=trial)` (which `staged_checkpoint` points at a staging folder) and rotates there;
+# GRPOTrainer's override writes its extra state through the same call.
+TRAINER_SAVE_CHECKPOINT_FRAGMENTS = (
+    "run_dir = self._get_output_dir(trial=trial)",
+    "output_dir = os.path.join(run_dir, checkpoint_folder)",
+    "rotate_checkpoints(",
+)
+GRPO_SAVE_CHECKPOINT_FRAGMENTS = ("super()._save_checkpoint(model, trial)", "self._get_output_dir(trial=trial)")
+# Generation cycles: `_prepare_inputs` regenerates every `steps_per_generation * num_iterations` `training_step`
+# calls, counted by `self._step`, which a resume restarts at 0 with an empty buffer.
+PREPARE_INPUTS_FRAGMENTS = (
+    "generate_every = self.args.steps_per_generation * self.num_iterations",
+    "if self._step % generate_every == 0 or self._buffered_inputs is None:",
+)
+# Inputs (dppo_trl/inputs.py): GRPOTrainer loads a missing processing class with these arguments, after the model.
+PROCESSING_CLASS_FRAGMENTS = (
+    "if processing_class is None:",
+    "processing_class = AutoProcessor.from_pretrained(",
+    'truncation_side="left",',
+    'padding_side="left",',
+)
+# Model card (dppo_trl/model_card.py rewrites these parts of TRL's template).
+MODEL_CARD_TEMPLATE_FRAGMENTS = (
+    "This model is a fine-tuned version of",
+    "## Quick start",
+    "## Training procedure",
+    "### Framework versions\n\n- TRL:",
+)

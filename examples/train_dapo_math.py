@@ -40,8 +40,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
+from dapo_math.card import attach_recipe_to_model_card, recipe_card_section  # noqa: E402, F401
 from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
 from dapo_math.evaluation import MathEvalCallback  # noqa: E402
+from dapo_math.preflight import run_preflight  # noqa: E402
 from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
 from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
 
@@ -112,6 +114,14 @@ class DAPOMathScriptArguments(ScriptArguments):
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only the first N problems per set."})
     plot_curves: bool = field(
         default=True, metadata={"help": "Save the reward/accuracy curves to `<output_dir>/training_curves.png`."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an `--output_dir` that holds a previous run: its checkpoints, curves and logs are "
+            "deleted first. Without it (or `--resume_from_checkpoint latest`) such a folder is refused. (transformers "
+            "5 dropped this TrainingArguments option; the script keeps it.)"
+        },
     )
 
 
@@ -191,56 +201,6 @@ def load_eval_sets(script_args: DAPOMathScriptArguments) -> dict:
     return eval_sets
 
 
-def recipe_card_section(
-    script_args: DAPOMathScriptArguments, training_args: DPPOConfig, model_args: ModelConfig, eval_metrics: dict
-) -> str:
-    """Markdown for the model card: how the run was made (data, model, the batch/length shape) and its final evals."""
-    schedule = training_args.lr_scheduler_type
-    reward = "accuracy (math-verify)"
-    if script_args.format_reward_weight:
-        reward += f" + {script_args.format_reward_weight} x format"
-    batch_rows = [
-        ("base model", model_args.model_name_or_path),
-        ("training data", f"{script_args.dataset_name} (deduplicated: {script_args.dedup})"),
-        ("reward", reward),
-        ("completions per device step", training_args.per_device_train_batch_size),
-        ("gradient accumulation", training_args.gradient_accumulation_steps),
-        ("steps per generation", training_args.steps_per_generation),
-        ("max completion length", training_args.max_completion_length),
-        ("top_p / top_k", f"{training_args.top_p} / {training_args.top_k}"),
-        ("optimizer steps", training_args.max_steps if training_args.max_steps > 0 else "epochs"),
-        ("lr schedule", f"{getattr(schedule, 'value', schedule)}, warmup {training_args.warmup_steps} steps"),
-    ]
-    text = "## Training recipe\n\nTrained with `examples/train_dapo_math.py` from dppo-trl.\n\n"
-    text += "| setting | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in batch_rows) + "\n"
-    if eval_metrics:
-        text += (
-            "\n## Evaluation\n\nSampled at the training temperature; avg@k is the mean accuracy over k samples.\n\n"
-        )
-        text += "| metric | value |\n|---|---|\n"
-        text += "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(eval_metrics.items())) + "\n"
-    return text
-
-
-def attach_recipe_to_model_card(trainer, section_fn, dataset_name: str | None) -> None:
-    """Make every model card this trainer writes (checkpoints, `push_to_hub`) carry the recipe and eval section.
-
-    The trainer's own `create_model_card` (TRL's template + DPPO tags, citation and settings) runs first; the
-    section is appended to the README it wrote. `dataset_name` becomes the card's dataset when none is given.
-    """
-    original = trainer.create_model_card
-    default_dataset = dataset_name
-
-    def create_model_card(model_name=None, dataset_name=None, tags=None):
-        original(model_name=model_name, dataset_name=dataset_name or default_dataset, tags=tags)
-        path = os.path.join(trainer.args.output_dir, "README.md")
-        if trainer.is_world_process_zero() and os.path.exists(path):
-            with open(path, "a", encoding="utf-8") as card:
-                card.write("\n" + section_fn())
-
-    trainer.create_model_card = create_model_card
-
-
 def plot_training_curves(log_history: list[dict], path: str) -> str | None:
     """Save reward and accuracy (train and eval) against step as a PNG; returns the path, or None if nothing to plot."""
     import matplotlib
@@ -280,7 +240,9 @@ def main(
     callbacks: list | None = None,
 ) -> DPPOTrainer:
     """Run the recipe and return the trained `DPPOTrainer` (its `state.log_history` holds every metric)."""
-    tiny = resolve_model_and_data(script_args, model_args)
+    # Fail before loading anything; resolves `--resume_from_checkpoint latest` (examples/dapo_math/preflight.py).
+    run_preflight(script_args, training_args, model_args)
+    resolve_model_and_data(script_args, model_args)
 
     model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -332,8 +294,8 @@ def main(
         )
         trainer.add_callback(eval_callback)
 
-    # Model name on the card: the tiny demo is not a Hub model, so name it after the output folder.
-    dataset_for_card = None if tiny else script_args.dataset_name
+    # The card names a local dataset by file name, marked local (dppo_trl/model_card.py).
+    dataset_for_card = script_args.dataset_name
     attach_recipe_to_model_card(
         trainer,
         lambda: recipe_card_section(

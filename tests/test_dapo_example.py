@@ -72,6 +72,15 @@ def test_gpu_recipes_match_the_authors_batch_shape(example, recipe):
     assert args.use_vllm and not args.vllm_importance_sampling_correction
 
 
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
+def test_gpu_recipes_save_on_generation_boundaries(example, recipe):
+    """Their checkpoints resume exactly: save_steps is a multiple of the generation cycle (docs/api.md)."""
+    from dppo_trl.checkpoints import save_steps_hint
+
+    _, args, _ = example.parse_args(["--config", recipe])
+    assert args.save_strategy == "steps" and save_steps_hint(args) is None
+
+
 def test_moe_lora_recipe_keeps_router_loss_and_targets_experts(example):
     (recipe,) = [r for r in RECIPES if "lora" in r]
     _, args, model_args = example.parse_args(["--config", recipe])
@@ -180,6 +189,12 @@ def test_short_run_model_card(short_run):
     card = open(os.path.join(out, "README.md")).read()
     assert "## Training recipe" in card and "## Evaluation" in card and "eval/tiny_math_test/avg@2" in card
     assert "dppo" in card and "2602.04879" in card  # the trainer's tags and citation survive
+    # A Hub user's view: no local paths, no `None`, and the curves by a link relative to the card.
+    assert "None" not in card and ROOT not in card and out not in card
+    assert "the local model `tiny_math_model` on the local dataset `train.jsonl`" in card
+    assert "| base model | the local model `tiny_math_model` |" in card
+    assert "![Reward and accuracy during training](training_curves.png)" in card
+    assert os.path.isfile(os.path.join(out, "training_curves.png"))  # the link resolves inside the output folder
     # What push_to_hub does: the card is regenerated with the dataset name, and still carries the recipe.
     trainer.create_model_card(model_name="m", dataset_name="BytedTsinghua-SIA/DAPO-Math-17k", tags=["math"])
     card = open(os.path.join(out, "README.md")).read()

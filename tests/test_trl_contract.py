@@ -132,3 +132,37 @@ def test_batch_major_keys_survive_shuffle_and_split():
         expected = torch.arange(batch * length * slots).view(batch, length, slots)[rows]
         assert torch.equal(part["dppo_behavior_topk_ids"], expected)
         assert part["num_items_in_batch"].item() == 30
+
+
+def test_checkpoint_staging_seams():
+    from transformers import Trainer
+
+    source = inspect.getsource(Trainer._save_checkpoint)
+    for fragment in trl_contract.TRAINER_SAVE_CHECKPOINT_FRAGMENTS:
+        assert fragment in source, f"Trainer._save_checkpoint changed: missing {fragment!r}"
+    source = inspect.getsource(GRPOTrainer._save_checkpoint)
+    for fragment in trl_contract.GRPO_SAVE_CHECKPOINT_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer._save_checkpoint changed: missing {fragment!r}"
+
+
+def test_generation_cycle_is_counted_in_training_steps():
+    source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    for fragment in trl_contract.PREPARE_INPUTS_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer._prepare_inputs changed: missing {fragment!r}"
+
+
+def test_processing_class_loading_arguments():
+    from dppo_trl.inputs import PROCESSING_CLASS_KWARGS
+
+    source = inspect.getsource(GRPOTrainer.__init__)
+    for fragment in trl_contract.PROCESSING_CLASS_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer.__init__ changed: missing {fragment!r}"
+    assert all(f'{key}="{value}"' in source for key, value in PROCESSING_CLASS_KWARGS.items())
+
+
+def test_model_card_template_parts():
+    from importlib.resources import files
+
+    template = files("trl").joinpath("templates/lm_model_card.md").read_text(encoding="utf-8")
+    for fragment in trl_contract.MODEL_CARD_TEMPLATE_FRAGMENTS:
+        assert fragment in template, f"TRL's model card template changed: missing {fragment!r}"

@@ -1,0 +1,112 @@
+"""Checks on DPPOTrainer's inputs that must fail before GRPOTrainer loads the model or starts the vLLM engine.
+
+`GRPOTrainer.__init__` loads the model, then the tokenizer, then (with `use_vllm`) starts the engine, all in one call.
+Everything here therefore runs before `super().__init__`: the config and the datasets are plain arguments, and the
+one thing TRL would load late — the tokenizer, needed to know whether a chat template exists — is loaded here (with
+TRL's own arguments) only when the prompts are conversational and no `processing_class` was given; it is then passed
+on to GRPOTrainer, which uses it instead of loading its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from dppo_trl.checkpoints import save_steps_hint
+
+# GRPOTrainer loads a missing processing class with these arguments (pinned by tests/test_trl_contract.py).
+PROCESSING_CLASS_KWARGS = {"truncation_side": "left", "padding_side": "left"}
+
+
+def check_trainer_inputs(config, params: dict) -> None:
+    """Fail fast on bad trainer inputs; may set `params["processing_class"]` (see the module docstring)."""
+    check_generation_config(config)
+    train_dataset = params.get("train_dataset")
+    check_prompt_column(train_dataset, "train_dataset")
+    check_dataset_size(train_dataset, config)
+    eval_dataset = params.get("eval_dataset")
+    for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
+        check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+    if _first_prompt_is_conversational(train_dataset):
+        processing_class = params.get("processing_class")
+        if processing_class is None:
+            processing_class = params["processing_class"] = _load_processing_class(params["model"], config)
+        check_chat_template(processing_class, params["model"])
+    hint = save_steps_hint(config)
+    if hint is not None:
+        warnings.warn(hint, UserWarning, stacklevel=4)  # the DPPOTrainer(...) call
+
+
+def check_generation_config(config) -> None:
+    """Options that make generation impossible, before anything is built."""
+    length = config.max_completion_length
+    if length is not None and length < 1:
+        raise ValueError(
+            f"max_completion_length={length}: completions need at least one token. Set max_completion_length to a "
+            "positive number of tokens (e.g. 256, or 8192 for DAPO-Math)."
+        )
+
+
+def check_prompt_column(dataset, name: str) -> None:
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or columns is None:
+        return  # no dataset, or an IterableDataset of unknown schema: TRL reports it at the first batch
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no `prompt` column (columns found: {sorted(columns)}). GRPOTrainer reads the prompts from "
+            "`prompt`: rename your prompt column to `prompt` (`dataset.rename_column(old, 'prompt')`); it may hold "
+            "strings or conversations ([{'role': 'user', 'content': ...}])."
+        )
+
+
+def prompts_per_generation_batch(config) -> int:
+    """Distinct prompts TRL's sampler draws per generation batch (it drops a last, incomplete batch)."""
+    return config.generation_batch_size // config.num_generations
+
+
+def check_dataset_size(dataset, config) -> None:
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return
+    size, needed = len(dataset), prompts_per_generation_batch(config)
+    if size >= needed:
+        return
+    what = "is empty" if size == 0 else f"has {size} prompts"
+    raise ValueError(
+        f"train_dataset {what}, fewer than one generation batch: each generation draws {needed} distinct prompts "
+        f"(generation_batch_size={config.generation_batch_size} / num_generations={config.num_generations}) and "
+        f"TRL's sampler drops an incomplete batch, so training would run 0 steps. Provide at least {needed} prompts, "
+        "or lower per_device_train_batch_size (or steps_per_generation / generation_batch_size)."
+    )
+
+
+def check_chat_template(processing_class, model) -> None:
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None):
+        return
+    model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    raise ValueError(
+        f"The training prompts are conversations (lists of messages), but the tokenizer of {model_name!r} has no "
+        "chat template to turn them into text. Pass a `processing_class` whose tokenizer has a `chat_template` (e.g. "
+        "the instruct model's tokenizer, or set `tokenizer.chat_template`), or use plain-string prompts."
+    )
+
+
+def _first_prompt_is_conversational(dataset) -> bool:
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return False
+    if "prompt" not in (getattr(dataset, "column_names", None) or ()):
+        return False
+    from trl.data_utils import is_conversational
+
+    return is_conversational({"prompt": dataset[0]["prompt"]})
+
+
+def _load_processing_class(model, config):
+    from transformers import AutoProcessor
+
+    if isinstance(model, str):
+        model_id, revision = model, (config.model_init_kwargs or {}).get("revision")
+    else:
+        model_id, revision = getattr(model.config, "_name_or_path", ""), None
+    return AutoProcessor.from_pretrained(
+        model_id, revision=revision, trust_remote_code=config.trust_remote_code, **PROCESSING_CLASS_KWARGS
+    )
