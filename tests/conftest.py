@@ -96,3 +96,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def vllm_groups_for_moe() -> None:
+    """Lets this test start a vLLM engine for an MoE model after dense engines ran in the same pytest process.
+
+    vLLM sets up its model-parallel groups once per process, and only for an MoE model does it add the
+    expert-parallel group; a later MoE engine reuses the dense engine's groups and fails with "expert parallel group
+    is not initialized". Real runs start one engine per process, so the tests drop the stale groups first.
+    """
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and getattr(parallel_state, "_EP", None) is None:
+        parallel_state.destroy_model_parallel()

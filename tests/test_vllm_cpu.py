@@ -186,3 +186,24 @@ def test_colocate_lora_syncs_merged_weights(patched, master_port, tiny_model_dir
         if name in base_before:
             torch.testing.assert_close(param.detach(), base_before[name], rtol=0, atol=1e-6)
     _release(trainer)
+
+
+@pytest.mark.slow
+def test_colocate_moe_lora_on_experts_syncs(patched, master_port, vllm_groups_for_moe, tiny_moe_model_dir, tmp_path):
+    # The Qwen3-30B-A3B recipe's shape: LoRA on attention and, via `target_parameters`, on the fused 3-D expert
+    # weights. The sync pushes the merged fused tensors; vLLM's CPU MoE kernel needs them re-packed after each
+    # reload (without that the engine's logprobs are off by several nats).
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    trainer = _train(tiny_moe_model_dir, tmp_path, peft_config=config)
+    expert_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n and "experts" in n]
+    assert expert_b and any(p.abs().max() > 0 for p in expert_b)  # the expert adapters trained
+    assert any("aux_loss" in h for h in trainer.state.log_history)  # router load-balancing loss is on
+    _assert_synced(trainer)
+    _release(trainer)
