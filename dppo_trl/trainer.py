@@ -123,6 +123,11 @@ class DPPOTrainer(GRPOTrainer):
 
             if is_vllm_cpu_platform():
                 patch_trl_vllm_for_cpu()
+        if config.use_vllm and config.vllm_mode == "server":
+            # TRL's client, plus a file-based weight sync picked when the trainer's device is the CPU (NCCL otherwise).
+            from dppo_trl.vllm_cpu import patch_trl_vllm_server_for_cpu
+
+            patch_trl_vllm_server_for_cpu()
 
         super().__init__(*bound.args[1:], **bound.kwargs)
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch

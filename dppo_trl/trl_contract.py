@@ -138,3 +138,33 @@ MODEL_CARD_TEMPLATE_FRAGMENTS = (
     "## Training procedure",
     "### Framework versions\n\n- TRL:",
 )
+# vLLM server mode on a CPU trainer (`dppo_trl/vllm_cpu.py`, `dppo_trl/vllm_server.py`). `_init_vllm` builds its
+# client through the module-level name `VLLMClient` (which DPPO swaps for a subclass), then calls `init_communicator`
+# with the trainer's device; `sync_weights` streams TRL's own parameter iterator into `update_named_params` on rank 0
+# (every rank iterates) and resets the prefix cache afterwards.
+VLLM_GENERATION_CLIENT_SYMBOL = "VLLMClient"
+VLLM_INIT_SERVER_FRAGMENTS = (
+    "self.vllm_client = VLLMClient(",
+    "self.vllm_client.init_communicator(device=accelerator.device)",
+)
+VLLM_SERVER_SYNC_FRAGMENTS = (
+    "self.vllm_client.update_named_params(self._weight_metadata, self._iter_named_params())",
+    "for _ in self._iter_named_params():",
+    "self.vllm_client.reset_prefix_cache()",
+)
+# `VLLMClient` methods the subclass overrides or calls, with their leading parameters. `check_server` is the first call
+# `__init__` makes after creating `self.session`, which every later request goes through (the API key is set there).
+VLLM_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
+    "check_server": ("self", "total_timeout", "retry_interval"),
+    "init_communicator": ("self", "device"),
+    "update_named_params": ("self", "metadata", "named_params"),
+    "get_server_info": ("self",),
+    "_post": ("self", "url"),
+}
+VLLM_CLIENT_INIT_FRAGMENTS = ("self.session = requests.Session()", "self.check_server(connection_timeout)")
+# vLLM: the server module the launcher runs, the development endpoint and the worker method the sync calls (its
+# `weights_path` argument travels as a JSON string), and the routes `--api-key` guards (not the dev endpoints).
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_RPC_ROUTE_MODULE = "vllm.entrypoints.serve.dev.rpc.api_router"
+VLLM_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
+VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

@@ -19,21 +19,43 @@ Four things break there without help:
 
 `patch_trl_vllm_for_cpu()` applies both patches (engine defaults and colocate weight sync); it is idempotent and a
 no-op off the CPU platform unless forced. `PATCH_STATE` records what was patched.
+
+Server mode (`vllm_mode="server"`, a server started with `python -m dppo_trl.vllm_server`) has a fifth problem: TRL
+pushes weights over an NCCL group (`VLLMClient.init_communicator` raises on a CPU trainer) and vLLM has no CPU
+weight-transfer backend. `patch_trl_vllm_server_for_cpu()` swaps in a `VLLMClient` subclass that, when the trainer's
+device is the CPU, skips the communicator and receives TRL's own weight stream (`sync_weights` is untouched, so every
+rank still iterates the parameters and PEFT merge/unmerge and ZeRO-3 gathers apply): rank 0 writes it to one
+safetensors file in a fresh private temporary directory, asks the server over `/collective_rpc` to reload from it
+(`WeightReloadExtension`: vLLM's `reload_weights`, then the same MoE re-pack and tied-head refresh as colocate), and removes the directory; TRL then
+resets the prefix cache. On CUDA it is TRL's client unchanged.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dppo_trl.vllm_server import WORKER_EXTENSION
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["PATCH_STATE", "PatchState", "is_vllm_cpu_platform", "patch_trl_vllm_for_cpu", "unpatch_trl_vllm_for_cpu"]
+__all__ = [
+    "PATCH_STATE",
+    "PatchState",
+    "is_vllm_cpu_platform",
+    "patch_trl_vllm_for_cpu",
+    "patch_trl_vllm_server_for_cpu",
+    "unpatch_trl_vllm_for_cpu",
+    "unpatch_trl_vllm_server_for_cpu",
+]
 
 
 @dataclass
@@ -98,9 +120,6 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
 
     Returns the number of tensors received.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    model = worker.model_runner.get_model()
     received = 0
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,6 +128,21 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
             received += 1
             yield name, tensor
 
+    reload_in_place(worker, weights_iterator=counted())
+    return received
+
+
+def reload_in_place(worker: Any, **reload_kwargs: Any) -> None:
+    """vLLM's in-place `Worker.reload_weights(**reload_kwargs, is_checkpoint_format=True)`, then the CPU re-processing
+    it skips. Shared by the colocate sync (`weights_iterator=`) and the server's `WeightReloadExtension`
+    (`weights_path=`).
+
+    Two things a reload leaves stale on CPU: MoE expert weights (module docstring, problem 4) and a tied LM head's
+    prepacked copy (problem 2).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    model = worker.model_runner.get_model()
     # Only MoE layers the reload actually processed hold plain values; packing any other layer twice would corrupt
     # it. The reload calls each processed layer's `quant_method.process_weights_after_loading`, so that call is
     # recorded (an instance attribute shadowing the method, removed afterwards).
@@ -124,7 +158,7 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
 
         method.process_weights_after_loading = recording
     try:
-        worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        worker.reload_weights(**reload_kwargs, is_checkpoint_format=True)
     finally:
         for layer, _ in moe_layers:
             del layer.quant_method.process_weights_after_loading
@@ -135,7 +169,6 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
-    return received
 
 
 def _detached_copies(named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,3 +282,129 @@ def unpatch_trl_vllm_for_cpu() -> None:
     if PATCH_STATE.sync_weights_patched:
         vllm_generation.VLLMGeneration.sync_weights = PATCH_STATE.original_sync_weights
     PATCH_STATE.__init__()  # back to the pristine state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Server mode
+# ----------------------------------------------------------------------------------------------------------------
+# Trainers send this key (vLLM's own variable, so one `export` serves the server and the trainer).
+API_KEY_ENV = "VLLM_API_KEY"
+# Worker method the server runs over `/collective_rpc`; its only argument is a path, so it travels as JSON.
+SERVER_RELOAD_METHOD = "dppo_reload_weights"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class WeightReloadExtension:
+    """vLLM worker extension (`--worker-extension-cls dppo_trl.vllm_cpu.WeightReloadExtension`, which
+    `python -m dppo_trl.vllm_server` passes) adding the server-side half of the CPU weight sync.
+
+    vLLM's own `reload_weights` over `/collective_rpc` leaves a tied LM head serving its old CPU-prepacked weights
+    (measured: log-prob error ~1 after a sync) and MoE experts unpacked; this method reloads through the same
+    `reload_in_place` as colocate, which refreshes both.
+    """
+
+    def dppo_reload_weights(self, weights_path: str) -> None:
+        reload_in_place(self, weights_path=weights_path)
+
+
+def _is_cpu_device(device: Any) -> bool:
+    # TRL reads a bare int as a CUDA index.
+    return not isinstance(device, int) and torch.device(device).type == "cpu"
+
+
+def reload_server_weights_from_file(client: Any, named_params: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Push `named_params` to a vLLM server through a safetensors file; returns the number of tensors.
+
+    The file goes into a fresh directory this process creates (mode 0700, under `$TMPDIR`), never a path taken from
+    elsewhere, and is removed once the server has reloaded, whether or not the reload succeeded. The server must be
+    able to read it: same machine and user, or a `$TMPDIR` both can reach.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.contiguous() for name, tensor in _detached_copies(named_params)}
+    if not tensors:
+        # An empty push would leave the server silently sampling from stale weights.
+        raise RuntimeError("vLLM weight sync received no tensors from the trainer model.")
+    directory = tempfile.mkdtemp(prefix="dppo-vllm-weights-")
+    try:
+        save_file(tensors, os.path.join(directory, WEIGHTS_FILE))
+        count = len(tensors)
+        del tensors
+        client._post(
+            f"{client.base_url}/collective_rpc",
+            json={"method": SERVER_RELOAD_METHOD, "kwargs": {"weights_path": directory}},
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return count
+
+
+_SERVER_CLIENT_CLASSES: dict[Any, Any] = {}
+
+
+def _cpu_sync_client_class(base: Any) -> Any:
+    """A subclass of TRL's `VLLMClient` that syncs weights through a file when the trainer runs on the CPU."""
+    if base in _SERVER_CLIENT_CLASSES:
+        return _SERVER_CLIENT_CLASSES[base]
+
+    class CPUWeightSyncVLLMClient(base):
+        """TRL's `VLLMClient`; on a CPU trainer, weights reach the server as a file instead of over NCCL."""
+
+        dppo_original_class = base
+        file_sync = False
+
+        def check_server(self, *args, **kwargs):
+            # `VLLMClient.__init__` calls this right after creating its session and before its first /v1 request,
+            # so the key set here covers every request the client makes.
+            api_key = os.environ.get(API_KEY_ENV)
+            if api_key:
+                self.session.headers["Authorization"] = f"Bearer {api_key}"
+            return super().check_server(*args, **kwargs)
+
+        def init_communicator(self, device=0):
+            if not _is_cpu_device(device):
+                return super().init_communicator(device)
+            # Fails with TRL's own message (restart with VLLM_SERVER_DEV_MODE=1) when the sync endpoints are missing.
+            info = self.get_server_info()
+            extension = info.get("parallel_config", {}).get("worker_extension_cls")
+            if extension != WORKER_EXTENSION:
+                raise RuntimeError(
+                    f"The vLLM server at {self.base_url} cannot take weights from a CPU trainer: it runs without "
+                    f"`--worker-extension-cls {WORKER_EXTENSION}` (found {extension!r}). Start it with "
+                    "`python -m dppo_trl.vllm_server --model ...`, which sets it, or add that option to its command."
+                )
+            self.file_sync = True
+            logger.info("CPU trainer: vLLM server weights are synced through a safetensors file and reload_weights.")
+
+        def update_named_params(self, metadata, named_params):
+            if not self.file_sync:
+                return super().update_named_params(metadata, named_params)
+            reload_server_weights_from_file(self, named_params)
+
+    _SERVER_CLIENT_CLASSES[base] = CPUWeightSyncVLLMClient
+    return CPUWeightSyncVLLMClient
+
+
+def patch_trl_vllm_server_for_cpu() -> Any:
+    """Make TRL's server mode build `CPUWeightSyncVLLMClient`s; returns the class. Idempotent.
+
+    The client behaves as TRL's unless the trainer's device is the CPU, where it skips the NCCL communicator and
+    `update_named_params` reloads the server from a safetensors file (`reload_server_weights_from_file`). It also
+    sends `$VLLM_API_KEY` as a bearer token when set, which TRL's client cannot.
+    """
+    import trl.generation.vllm_generation as vllm_generation
+
+    current = vllm_generation.VLLMClient
+    if getattr(current, "dppo_original_class", None) is not None:
+        return current
+    vllm_generation.VLLMClient = _cpu_sync_client_class(current)
+    return vllm_generation.VLLMClient
+
+
+def unpatch_trl_vllm_server_for_cpu() -> None:
+    """Restore TRL's `VLLMClient` in `trl.generation.vllm_generation` (no-op if it was not patched)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = getattr(vllm_generation.VLLMClient, "dppo_original_class", None)
+    if original is not None:
+        vllm_generation.VLLMClient = original

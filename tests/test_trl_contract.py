@@ -166,3 +166,37 @@ def test_model_card_template_parts():
     template = files("trl").joinpath("templates/lm_model_card.md").read_text(encoding="utf-8")
     for fragment in trl_contract.MODEL_CARD_TEMPLATE_FRAGMENTS:
         assert fragment in template, f"TRL's model card template changed: missing {fragment!r}"
+
+
+def test_vllm_server_mode_contract():
+    pytest.importorskip("vllm")
+    import importlib
+    import importlib.util
+
+    from trl.generation import vllm_client
+
+    assert getattr(vllm_generation, trl_contract.VLLM_GENERATION_CLIENT_SYMBOL) is not None
+    init_source = inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
+    for fragment in trl_contract.VLLM_INIT_SERVER_FRAGMENTS:
+        assert fragment in init_source, f"VLLMGeneration._init_vllm changed: missing {fragment!r}"
+    sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
+    for fragment in trl_contract.VLLM_SERVER_SYNC_FRAGMENTS:
+        assert fragment in sync_source, f"VLLMGeneration.sync_weights changed: missing {fragment!r}"
+    client_init = inspect.getsource(vllm_client.VLLMClient.__init__)
+    session, check = (client_init.index(f) for f in trl_contract.VLLM_CLIENT_INIT_FRAGMENTS)
+    assert session < check and "self._get(" in client_init[check:], "VLLMClient.__init__ request order changed"
+    assert "self._get(" not in client_init[:check] and "self._post(" not in client_init[:check]
+    for name, expected in trl_contract.VLLM_CLIENT_METHODS.items():
+        params = list(inspect.signature(getattr(vllm_client.VLLMClient, name)).parameters)
+        assert params[: len(expected)] == list(expected), f"VLLMClient.{name} signature changed: {params}"
+
+    assert importlib.util.find_spec(trl_contract.VLLM_SERVER_MODULE) is not None
+    rpc = importlib.import_module(trl_contract.VLLM_RPC_ROUTE_MODULE)
+    assert "/collective_rpc" in {route.path for route in rpc.router.routes}
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    params = list(inspect.signature(GPUModelRunner.reload_weights).parameters)
+    assert params == list(trl_contract.VLLM_RELOAD_PARAMS)
+    # The security note in docs/recipes.md says the API key does not guard the dev endpoints; re-check if this changes.
+    assert tuple(GUARDED_PREFIX) == trl_contract.VLLM_API_KEY_GUARDED_PREFIXES

@@ -17,6 +17,13 @@ def ascii_reward(completions, **kwargs) -> list[float]:
     return [sum(ord(ch) < 128 for ch in t) / max(len(t), 1) for t in texts]
 
 
+def byte_mean_reward(completions, **kwargs) -> list[float]:
+    """Mean byte value: continuous, so even a model whose completions are all ASCII (the bundled tiny math model) gets
+    rewards that differ within a group, hence non-zero advantages and a moving policy."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [sum(t.encode()) / (255.0 * max(len(t.encode()), 1)) for t in texts]
+
+
 def prompt_dataset(conversational: bool = False) -> Dataset:
     if conversational:
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
@@ -42,10 +49,12 @@ def small_config(output_dir, **overrides) -> DPPOConfig:
     return DPPOConfig(**values)
 
 
-def make_trainer(model, output_dir, peft_config=None, dataset=None, eval_dataset=None, **config) -> DPPOTrainer:
+def make_trainer(
+    model, output_dir, peft_config=None, dataset=None, eval_dataset=None, reward_funcs=ascii_reward, **config
+) -> DPPOTrainer:
     return DPPOTrainer(
         model=model,
-        reward_funcs=ascii_reward,
+        reward_funcs=reward_funcs,
         args=small_config(output_dir, **config),
         train_dataset=dataset if dataset is not None else prompt_dataset(),
         eval_dataset=eval_dataset,
