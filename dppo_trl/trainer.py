@@ -33,6 +33,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from dppo_trl.ablations import NEEDS_OLD_LOGPS, trust_region_coefficient
 from dppo_trl.behavior import VLLMTopKCapture
 from dppo_trl.config import DPPOConfig
+from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_anchor
 from dppo_trl.trust_region import binary_kl, divergence, trust_region_mask
 
@@ -105,6 +106,8 @@ class DPPOTrainer(GRPOTrainer):
                 "fields (it subclasses GRPOConfig and sets the defaults DPPO needs)."
             )
         _validate_trainer_inputs(config, params)
+        # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
+        check_distributed_setup(config)
         if config.use_vllm and config.vllm_mode == "colocate":
             from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
 
