@@ -35,6 +35,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
 from dppo_trl.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
 from dppo_trl.config import DPPOConfig
+from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.inputs import check_trainer_inputs
 from dppo_trl.model_card import dataset_for_card, finish_model_card
 from dppo_trl.registry import TRUST_REGIONS
@@ -118,6 +119,8 @@ class DPPOTrainer(GRPOTrainer):
                 "fields (it subclasses GRPOConfig and sets the defaults DPPO needs)."
             )
         _validate_trainer_inputs(config, params)
+        # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
+        check_distributed_setup(config)
         if config.use_vllm and config.vllm_mode == "colocate":
             from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
 
