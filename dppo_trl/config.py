@@ -93,7 +93,7 @@ class DPPOConfig(GRPOConfig):
         default=20,
         metadata={
             "help": "K for the top-K divergences: how many of μ's most likely tokens the engine reports per position. "
-            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server must run "
+            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server (or `python -m dppo_trl.vllm_server` on CPU) must run "
             "with `--max-logprobs` ≥ K. Ignored by the binary divergences."
         },
     )

@@ -503,8 +503,8 @@ class DPPOTrainer(GRPOTrainer):
         if model_config.get("logprobs_mode") != "processed_logprobs":
             raise ValueError(
                 f"The vLLM server runs with `--logprobs-mode {model_config.get('logprobs_mode')}`: its log-probs are "
-                "not the distribution it sampled from, so they cannot anchor DPPO. Restart `trl vllm-serve` with "
-                "`--logprobs-mode processed_logprobs`."
+                "not the distribution it sampled from, so they cannot anchor DPPO. Restart `trl vllm-serve` (GPU) with "
+                "`--logprobs-mode processed_logprobs`, or use `python -m dppo_trl.vllm_server` (CPU), which sets it."
             )
         max_logprobs = model_config.get("max_logprobs")
         k = self.args.divergence_top_k
