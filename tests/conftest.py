@@ -85,6 +85,14 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), kind="qwen3_moe")
 
 
+@pytest.fixture(scope="session")
+def example():
+    """The recipe script `examples/train_dapo_math.py` as a module (pytest puts `examples/` on `sys.path`)."""
+    import train_dapo_math
+
+    return train_dapo_math
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any("gpu" in item.keywords for item in items):
         return  # avoid importing torch for sessions that do not need it

@@ -5,9 +5,7 @@ own checks (`examples/dapo_math/preflight.py`, run at the top of `main()`).
 """
 
 import functools
-import importlib.util
 import os
-import sys
 
 import pytest
 from datasets import Dataset
@@ -121,15 +119,6 @@ def test_good_inputs_reach_grpo_init_with_the_loaded_tokenizer(tiny_model_dir, t
 
 
 # --- the example script -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location(
-        "train_dapo_math", os.path.join(ROOT, "examples", "train_dapo_math.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_dapo_math"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture

@@ -1,11 +1,9 @@
 """`examples/train_dapo_math.py`: recipe parsing, CPU defaults, a short end-to-end run, evaluation and model card."""
 
 import glob
-import importlib.util
 import json
 import os
 import re
-import sys
 
 import pytest
 import yaml
@@ -15,17 +13,6 @@ RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "recipes", "*.yaml")))
 GPU_RECIPES = [r for r in RECIPES if not os.path.basename(r).startswith("tiny")]
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 TINY_TEST = os.path.join(ROOT, "examples", "data", "tiny_math", "test.jsonl")
-
-
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location(
-        "train_dapo_math", os.path.join(ROOT, "examples", "train_dapo_math.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_dapo_math"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- recipes ------------------------------------------------------------------------------------------------------

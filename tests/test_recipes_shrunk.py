@@ -15,7 +15,6 @@ import glob
 import json
 import math
 import os
-import sys
 
 import pytest
 import yaml
@@ -142,19 +141,6 @@ def upcycle_tiny_moe(path: str) -> str:
     moe.save_pretrained(path)
     AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def example():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_dapo_math", os.path.join(ROOT, "examples", "train_dapo_math.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_dapo_math"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def _recipe_path(name: str) -> str:

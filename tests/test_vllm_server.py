@@ -425,16 +425,8 @@ def test_two_ranks_torchrun_train_against_the_server(server, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_server_recipe_shrunk_trains_and_evaluates(server, trainer_env, tmp_path):
+def test_server_recipe_shrunk_trains_and_evaluates(server, trainer_env, tmp_path, example):
     """`qwen3_8b_base_dapo_math_server.yaml` with only its sizes swapped for the bundled tiny model and data."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_dapo_math", os.path.join(ROOT, "examples", "train_dapo_math.py")
-    )
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["train_dapo_math"] = example  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(example)
 
     data = os.path.join(ROOT, "examples", "data", "tiny_math")
     size_overrides = {
