@@ -5,12 +5,20 @@ DPPO on DAPO-Math: train a model to solve math problems with a rule-based reward
 With no arguments it runs a complete, CPU-sized version of the recipe offline: the bundled tiny Qwen3
 (`examples/tiny_math_model`, pretrained on one-step arithmetic to answer like a base model: in DAPO's `Answer:` format
 only about half the time, and not always correctly) is trained with DPPO on the bundled tiny math set
-(`examples/data/tiny_math`), in a few minutes on 2 cores. The training accuracy it prints climbs as the model learns
-the format and sharpens its answers, and a reward/accuracy curve is saved next to the model.
+(`examples/data/tiny_math`), in a few minutes on 2 cores. It is DPPO's setting at CPU size: vLLM (colocated, bf16
+where the CPU has it) samples, the fp32 trainer takes 8 optimizer steps per rollout, so π drifts from the engine's μ
+and the trust region masks tokens. The training accuracy it prints climbs as the model learns the format and sharpens
+its answers; `training_curves.png`, saved next to the model, shows the learning curves and, below them, the trust
+region at work (mask rates for A > 0 and A < 0, |π − μ| on fresh vs drifted steps, ratio-cap hits).
 
 ```bash
 # CPU smoke run of the whole recipe (a few minutes, no network)
 python examples/train_dapo_math.py
+# The same with GRPO's ratio clip instead of DPPO's mask, then both runs on one plot
+python examples/train_dapo_math.py --trust_region grpo_clip --output_dir outputs/tiny-math-grpo-clip
+python examples/compare_runs.py outputs/tiny-math-dppo outputs/tiny-math-grpo-clip
+# Transformers generation instead of vLLM (no engine mismatch; the drift over the 8 steps per rollout remains)
+python examples/train_dapo_math.py --use_vllm false
 
 # The paper's recipe on one 8-GPU node (see docs/recipes.md)
 accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py \
@@ -42,8 +50,10 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_qu
 
 from dapo_math.card import attach_recipe_to_model_card, recipe_card_section  # noqa: E402, F401
 from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
+from dapo_math.engine import VLLM_CPU_DTYPES, vllm_cpu_engine_dtype  # noqa: E402
 from dapo_math.evaluation import MathEvalCallback  # noqa: E402
 from dapo_math.preflight import run_preflight  # noqa: E402
+from dapo_math.plots import plot_training_curves, summarize_run, summary_line  # noqa: E402
 from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
 from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
 
@@ -53,26 +63,39 @@ TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
 TINY_TEST_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "test.jsonl")
 
 # Settings of the no-argument CPU run. They apply only to the bundled tiny model, and only to options the user did
-# not set (on the command line or in --config). Chosen so the run takes a few minutes on 2 CPU cores and the
-# accuracy visibly climbs; the real recipes live in examples/recipes/*.yaml.
+# not set (on the command line or in --config). They reproduce, at CPU size, the setting DPPO exists for: a vLLM
+# engine samples in bf16 (`vllm_cpu_dtype`) while the trainer runs in fp32, and each rollout is split into 8
+# optimizer steps (the authors' 8 mini-batches per rollout), so π drifts away from the engine's μ within a rollout
+# and the trust region masks tokens. `--use_vllm false` runs the transformers-generation variant instead (no engine
+# mismatch; μ is TRL's recompute of the generating weights). The real recipes live in examples/recipes/*.yaml.
 TINY_RUN_DEFAULTS = {
     "output_dir": "outputs/tiny-math-dppo",
+    "use_vllm": True,
+    "vllm_mode": "colocate",
     "learning_rate": 3e-4,  # a 130k-parameter model needs a far larger step than an 8B one (1e-6)
     "lr_scheduler_type": "constant",
-    "max_steps": 100,
-    "per_device_train_batch_size": 128,  # completions per step: 16 prompts x 8 samples
+    "max_steps": 100,  # 12.5 rollouts
+    "per_device_train_batch_size": 128,  # completions per optimizer step: 16 prompts x 8 samples
+    "gradient_accumulation_steps": 1,
+    "steps_per_generation": 8,  # a rollout of 128 prompts x 8 samples feeds 8 optimizer steps
     "num_generations": 8,
     "max_completion_length": 16,  # "Answer: 17" plus end-of-turn is 11 tokens
     "temperature": 1.0,
-    "logging_steps": 5,
+    "logging_steps": 1,  # per-step logs tell a rollout's first (fresh) step from the drifted ones
     "save_strategy": "no",
     "report_to": "none",
     "gradient_checkpointing": False,  # saves nothing on a model this small and costs time
     "seed": 42,
 }
 # The tiny model writes DAPO's "Answer:" line only half the time; a small format reward lets RL fix that first
-# (accuracy requires the format), which is what makes the accuracy climb within a few minutes.
-TINY_EVAL_DEFAULTS = {"math_eval_steps": 50, "math_eval_num_samples": 4, "format_reward_weight": 0.5}
+# (accuracy requires the format), which is what makes the accuracy climb within a few minutes. The engine samples in
+# bf16 where the CPU has it natively (examples/dapo_math/engine.py).
+TINY_EVAL_DEFAULTS = {
+    "math_eval_steps": 50,
+    "math_eval_num_samples": 4,
+    "format_reward_weight": 0.5,
+    "vllm_cpu_dtype": "auto",
+}
 
 
 @dataclass
@@ -112,6 +135,15 @@ class DAPOMathScriptArguments(ScriptArguments):
         default=16, metadata={"help": "k in avg@k: samples per evaluation problem, at the training temperature."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only the first N problems per set."})
+    vllm_cpu_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype of the colocated vLLM engine on vLLM's CPU build (ignored elsewhere): `auto` (bfloat16 "
+            "where the CPU has native bf16, else float32), `bfloat16` or `float32`. Default: float32, the engine "
+            "then matches an fp32 trainer to ~1e-6. The CPU demo uses `auto`. See examples/dapo_math/engine.py.",
+            "choices": list(VLLM_CPU_DTYPES),
+        },
+    )
     plot_curves: bool = field(
         default=True, metadata={"help": "Save the reward/accuracy curves to `<output_dir>/training_curves.png`."}
     )
@@ -201,38 +233,6 @@ def load_eval_sets(script_args: DAPOMathScriptArguments) -> dict:
     return eval_sets
 
 
-def plot_training_curves(log_history: list[dict], path: str) -> str | None:
-    """Save reward and accuracy (train and eval) against step as a PNG; returns the path, or None if nothing to plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train_keys = ("reward", "rewards/accuracy_reward/mean", "rewards/format_reward/mean")
-    series = {k: [(e["step"], e[k]) for e in log_history if e.get(k) is not None] for k in train_keys}
-    eval_keys = sorted({k for e in log_history for k in e if k.startswith("eval/") and "/avg@" in k})
-    series.update({k: [(e["step"], e[k]) for e in log_history if e.get(k) is not None] for k in eval_keys})
-    series = {k: v for k, v in series.items() if v}
-    if not series:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, points in series.items():
-        steps, values = zip(*points)
-        style = "o--" if key.startswith("eval/") else "-"
-        ax.plot(steps, values, style, label=key)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("reward / accuracy")
-    if all(0 <= v <= 1 for points in series.values() for _, v in points):
-        ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def main(
     script_args: DAPOMathScriptArguments,
     training_args: DPPOConfig,
@@ -274,15 +274,16 @@ def main(
         if training_args.reward_weights is None:
             training_args.reward_weights = [1.0, script_args.format_reward_weight]
 
-    trainer = DPPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        peft_config=get_peft_config(model_args),
-        quantization_config=quantization_config,
-        callbacks=callbacks,
-    )
+    with vllm_cpu_engine_dtype(training_args, script_args.vllm_cpu_dtype):
+        trainer = DPPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            peft_config=get_peft_config(model_args),
+            quantization_config=quantization_config,
+            callbacks=callbacks,
+        )
 
     eval_callback = None
     if eval_sets:
@@ -307,18 +308,9 @@ def main(
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     history = trainer.state.log_history
-    train_logs = [e for e in history if "reward" in e]
-    if train_logs and trainer.accelerator.is_main_process:
-        acc_key = "rewards/accuracy_reward/mean"
-        first, last = train_logs[0], train_logs[-1]
-        mean_reward = sum(e["reward"] for e in train_logs) / len(train_logs)
-        print(
-            f"Mean reward over training: {mean_reward:.3f} | training accuracy: "
-            f"{first.get(acc_key, float('nan')):.3f} (step {first['step']}) -> "
-            f"{last.get(acc_key, float('nan')):.3f} (step {last['step']})",
-            flush=True,
-        )
     if trainer.accelerator.is_main_process:
+        if any("reward" in e for e in history):
+            print(summary_line(summarize_run(history)), flush=True)
         if script_args.plot_curves:
             path = plot_training_curves(history, os.path.join(training_args.output_dir, "training_curves.png"))
             if path:

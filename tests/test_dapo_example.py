@@ -114,7 +114,8 @@ def test_no_arguments_gives_the_cpu_demo(example):
     script_args, args, model_args = example.parse_args([])
     assert model_args.model_name_or_path is None  # resolved in main()
     assert args.learning_rate == example.TINY_RUN_DEFAULTS["learning_rate"]
-    assert args.generation_batch_size == example.TINY_RUN_DEFAULTS["per_device_train_batch_size"]
+    defaults = example.TINY_RUN_DEFAULTS
+    assert args.generation_batch_size == defaults["per_device_train_batch_size"] * defaults["steps_per_generation"]
     if not torch.cuda.is_available():
         assert args.use_cpu and not args.bf16
     assert example.resolve_model_and_data(script_args, model_args)
@@ -148,11 +149,13 @@ def test_plot_with_nothing_to_plot(example, tmp_path):
 # --- end to end on the bundled tiny model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def short_run(example, tmp_path_factory):
-    """Two optimizer steps of the no-argument recipe, with a small evaluation every step."""
+    """Two optimizer steps of the no-argument recipe on transformers generation (one rollout per step), with a small
+    evaluation every step. The default vLLM path is run by tests/test_default_run.py."""
     if not os.path.exists(os.path.join(TINY_MODEL, "config.json")):
         pytest.skip("bundled tiny model missing: run scripts/make_tiny_math_model.py")
     out = str(tmp_path_factory.mktemp("dapo_run"))
     argv = "--max_steps 2 --per_device_train_batch_size 16 --num_generations 4 --logging_steps 1".split()
+    argv += "--use_vllm false --steps_per_generation 1".split()
     argv += "--math_eval_steps 1 --math_eval_num_samples 2 --max_eval_samples 6 --output_dir".split() + [out]
     trainer = example.main(*example.parse_args(argv))
     return trainer, out
