@@ -52,8 +52,8 @@ from dapo_math.card import attach_recipe_to_model_card, recipe_card_section  # n
 from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
 from dapo_math.engine import VLLM_CPU_DTYPES, vllm_cpu_engine_dtype  # noqa: E402
 from dapo_math.evaluation import MathEvalCallback  # noqa: E402
-from dapo_math.preflight import run_preflight  # noqa: E402
 from dapo_math.plots import plot_training_curves, summarize_run, summary_line  # noqa: E402
+from dapo_math.preflight import run_preflight  # noqa: E402
 from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
 from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
 
