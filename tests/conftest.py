@@ -85,6 +85,23 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), kind="qwen3_moe")
 
 
+# TRL's vLLM colocate start-up writes these into the process environment and never removes them; a later trainer (or
+# a subprocess inheriting them) then believes it was launched distributed and fails in env:// rendezvous.
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_distributed_env():
+    """Each test sees the launch environment the session started with, whatever an engine before it set."""
+    saved = {name: os.environ.get(name) for name in _DISTRIBUTED_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def example():
     """The recipe script `examples/train_dapo_math.py` as a module (pytest puts `examples/` on `sys.path`)."""

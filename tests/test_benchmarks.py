@@ -24,7 +24,9 @@ def _run_script(name: str, *args: str, timeout: int = 600) -> dict:
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    # The report is the last thing printed; libraries may log to stdout before it (DeepSpeed's accelerator notice).
+    start = proc.stdout.rfind("\n{\n") + 1 if not proc.stdout.startswith("{") else 0
+    return json.loads(proc.stdout[start:])
 
 
 @pytest.mark.vllm

@@ -179,7 +179,10 @@ def test_vllm_server_mode_contract():
     init_source = inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
     for fragment in trl_contract.VLLM_INIT_SERVER_FRAGMENTS:
         assert fragment in init_source, f"VLLMGeneration._init_vllm changed: missing {fragment!r}"
-    sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
+    from dppo_trl.vllm_cpu import PATCH_STATE
+
+    # TRL's own method, also when a colocate test earlier in this process swapped in the CPU colocate sync.
+    sync_source = inspect.getsource(PATCH_STATE.original_sync_weights or vllm_generation.VLLMGeneration.sync_weights)
     for fragment in trl_contract.VLLM_SERVER_SYNC_FRAGMENTS:
         assert fragment in sync_source, f"VLLMGeneration.sync_weights changed: missing {fragment!r}"
     client_init = inspect.getsource(vllm_client.VLLMClient.__init__)
