@@ -344,9 +344,14 @@ def plot(args: argparse.Namespace, rows: list[dict], levels: dict, path: str) ->
         )
     axes[1].set_ylim(-0.05, 1.05)
     axes[0].legend(fontsize=7)
-    n_seeds = len(args.seed_list)
+    counts = [
+        sum(1 for r in rows if r["level"] == lvl and r["method"] == m and "error" not in r)
+        for lvl in args.level_list
+        for m in args.method_list
+    ]
+    lo, hi = min(counts, default=0), max(counts, default=0)
     fig.suptitle(
-        f"controlled train–inference mismatch sweep ({n_seeds} seed{'s' * (n_seeds > 1)} per point)", fontsize=10
+        f"controlled train–inference mismatch sweep ({lo if lo == hi else f'{lo}–{hi}'} seeds per point)", fontsize=10
     )
     fig.tight_layout()
     run._save_small(fig, path)
@@ -397,33 +402,10 @@ def report(args: argparse.Namespace, jobs: list[dict], header: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    os.makedirs(args.output_dir, exist_ok=True)
-    runs_dir = os.path.join(args.output_dir, "runs")
-    os.makedirs(runs_dir, exist_ok=True)
-    jobs = plan_jobs(args, runs_dir)
-    header_path = os.path.join(runs_dir, "header.json")
-    if args.reaggregate:
-        with open(header_path) as f:
-            return report(args, jobs, json.load(f))
-    if not args.resume:
-        for job in jobs:
-            if os.path.exists(job["out"]):
-                os.remove(job["out"])
-    todo = [job for job in jobs if not os.path.exists(job["out"])]
+def make_header(args: argparse.Namespace, command: str, previous: dict, load_before, wall: float | None) -> dict:
+    """Command, settings, versions and machine of the sweep (what `sweep.json` needs to be reproduced)."""
     settings = run_settings(args)
-    previous = {}
-    if args.resume and os.path.exists(header_path):
-        with open(header_path) as f:
-            previous = json.load(f)
-    load_before = load_average()
-    start = time.time()
-    print(f"[sweep] {len(todo)} of {len(jobs)} runs to do on {args.workers} workers", flush=True)
-    train(args, todo, os.path.join(args.output_dir, "logs"))
-    wall = time.time() - start
-    command = " ".join(["python", os.path.relpath(__file__, REPO_ROOT), *(sys.argv[1:] if argv is None else argv)])
-    header = {
+    return {
         "command": previous.get("command", command),
         "resumed_with": [*previous.get("resumed_with", []), command] if previous else [],
         "settings": {
@@ -440,8 +422,42 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "versions": versions(),
         "machine": machine_info(load_before, workers=args.workers, threads_per_worker=args.threads),
-        "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 1),
+        "wall_seconds": None if wall is None else round(previous.get("wall_seconds", 0) + wall, 1),
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    runs_dir = os.path.join(args.output_dir, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
+    jobs = plan_jobs(args, runs_dir)
+    header_path = os.path.join(runs_dir, "header.json")
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python", os.path.relpath(__file__, REPO_ROOT), *argv])
+    if args.reaggregate:
+        if os.path.exists(header_path):
+            with open(header_path) as f:
+                return report(args, jobs, json.load(f))
+        # The sweep was stopped (or is still running): its header was never written, so rebuild it; no wall time.
+        sweep_command = " ".join(
+            ["python", os.path.relpath(__file__, REPO_ROOT), *(a for a in argv if a != "--reaggregate")]
+        )
+        return report(args, jobs, make_header(args, sweep_command, {}, None, None))
+    if not args.resume:
+        for job in jobs:
+            if os.path.exists(job["out"]):
+                os.remove(job["out"])
+    todo = [job for job in jobs if not os.path.exists(job["out"])]
+    previous = {}
+    if args.resume and os.path.exists(header_path):
+        with open(header_path) as f:
+            previous = json.load(f)
+    load_before = load_average()
+    start = time.time()
+    print(f"[sweep] {len(todo)} of {len(jobs)} runs to do on {args.workers} workers", flush=True)
+    train(args, todo, os.path.join(args.output_dir, "logs"))
+    header = make_header(args, command, previous, load_before, time.time() - start)
     with open(header_path, "w") as f:
         json.dump(header, f)
     return report(args, jobs, header)
