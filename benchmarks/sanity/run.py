@@ -214,6 +214,12 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
         )
         stats = MaskedTokenStats(trainer, args.steps_per_generation)
         trainer.trust_region_observers.append(stats)
+        mismatch = getattr(args, "mismatch", "none")
+        if mismatch != "none":
+            # Research-only (see mismatch.py): the engine samples from perturbed copies of the trainer's weights.
+            from mismatch import WeightMismatch, install_weight_mismatch
+
+            install_weight_mismatch(trainer, WeightMismatch.parse(mismatch, seed=getattr(args, "mismatch_seed", 0)))
         start = time.time()
         trainer.train()
         seconds = time.time() - start
@@ -228,6 +234,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
         "method": method,
         "seed": seed,
         "config": METHODS[method],
+        "mismatch": getattr(args, "mismatch", "none"),
         "train_seconds": round(seconds, 1),
         "engine_dtype": engine_dtype,
         "trainer_dtype": trainer_dtype,
@@ -240,7 +247,6 @@ def worker(spec_path: str) -> None:
     """Entry point of a worker process: run each (method, seed) of the spec, write each result as it finishes."""
     with open(spec_path) as f:
         spec = json.load(f)
-    args = argparse.Namespace(**spec["args"])
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -251,6 +257,8 @@ def worker(spec_path: str) -> None:
     failed = 0
     for job in spec["jobs"]:
         started = time.time()
+        # A job may override shared settings (the mismatch sweep runs several `--mismatch` levels in one pool).
+        args = argparse.Namespace(**{**spec["args"], **job.get("args", {})})
         try:
             result = run_one(job["method"], job["seed"], args, job["port"])
         except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
@@ -501,6 +509,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ratio-cap", type=float, default=1e4, help="C for DPPO (authors: 1e4, effectively off)")
     p.add_argument("--max-completion-length", type=int, default=16)
     p.add_argument("--max-train-samples", type=int, default=32, help="fixed subset: the first N train problems")
+    p.add_argument(
+        "--mismatch",
+        default="none",
+        help="research only: perturb the weights synced into the engine (mismatch.py), e.g. e4m3 or noise=0.5",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", default=DEFAULT_DATA)
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes")
@@ -671,6 +684,7 @@ def main(argv: list[str] | None = None) -> dict:
             "headline_seeds": args.seeds,
             "other_seeds": args.other_seeds,
             "engine_dtype": "bfloat16",
+            "mismatch": args.mismatch,
             "model_sha256": _file_sha256(os.path.join(args.model, "model.safetensors")),
         },
         "machine": {"cpus": os.cpu_count(), "workers": n_workers, "threads_per_worker": args.threads},
