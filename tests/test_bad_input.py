@@ -170,13 +170,18 @@ def test_example_max_completion_length_0(example, nothing_loads, tmp_path):
 
 
 def test_example_dataset_smaller_than_a_generation_batch(example, tmp_path, monkeypatch):
-    """15 problems with the CPU default of 16 prompts per generation: refused before the model loads."""
+    """One problem fewer than the CPU default draws per generation batch: refused before the model loads."""
     _replace_grpo_init(monkeypatch, AssertionError("GRPOTrainer.__init__ was reached: the check ran too late"))
-    lines = open(os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")).readlines()[:15]
+    defaults = example.TINY_RUN_DEFAULTS
+    per_generation = (
+        defaults["per_device_train_batch_size"] * defaults["steps_per_generation"] // defaults["num_generations"]
+    )
+    lines = open(os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")).readlines()[: per_generation - 1]
     data = tmp_path / "small.jsonl"
     data.write_text("".join(lines))
     argv = ["--dataset_name", str(data), "--output_dir", str(tmp_path / "out"), "--math_eval_datasets", "none"]
-    with pytest.raises(ValueError, match=r"train_dataset has 15 prompts, .*at least 16 prompts"):
+    expected = rf"train_dataset has {per_generation - 1} prompts, .*at least {per_generation} prompts"
+    with pytest.raises(ValueError, match=expected):
         _run(example, argv)
 
 
