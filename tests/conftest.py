@@ -86,20 +86,27 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # TRL's vLLM colocate start-up writes these into the process environment and never removes them; a later trainer (or
-# a subprocess inheriting them) then believes it was launched distributed and fails in env:// rendezvous.
+# a subprocess inheriting them) then believes it was launched distributed and fails in env:// rendezvous. Engines are
+# also started by module-scoped fixtures, before any function-scoped fixture runs, so every test starts from (and
+# leaves) the environment the session began with rather than from a per-test snapshot.
 _DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SESSION_DISTRIBUTED_ENV = {name: os.environ.get(name) for name in _DISTRIBUTED_ENV}
+
+
+def _reset_distributed_env() -> None:
+    for name, value in _SESSION_DISTRIBUTED_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
 def _restore_distributed_env():
     """Each test sees the launch environment the session started with, whatever an engine before it set."""
-    saved = {name: os.environ.get(name) for name in _DISTRIBUTED_ENV}
+    _reset_distributed_env()
     yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    _reset_distributed_env()
 
 
 @pytest.fixture(scope="session")
