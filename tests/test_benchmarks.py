@@ -4,6 +4,7 @@ Speed is never asserted here: the numbers depend on the machine and its load.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,11 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_number(value) -> bool:
+    # Present and finite, never compared with anything: a fast machine rounds a short time to 0.0.
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _run_script(name: str, *args: str, timeout: int = 600) -> dict:
@@ -44,12 +50,12 @@ def test_step_time_runs(tmp_path):
     assert set(report["trainers"]) == {"grpo", "dppo"}
     for name, result in report["trainers"].items():
         assert len(result["step_times_s"]) == 2, name
-        assert all(t > 0 for t in result["step_times_s"]), name
+        assert all(_is_number(t) for t in result["step_times_s"]), name
         for key in ("median_s", "mean_s", "min_s", "cpu_median_s"):
-            assert result[key] > 0, (name, key)
+            assert _is_number(result[key]), (name, key)
     assert report["trainers"]["grpo"]["recomputes_old_logps"] is True
     assert report["trainers"]["dppo"]["recomputes_old_logps"] is False
-    assert report["ratio_median_dppo_over_grpo"] > 0
+    assert _is_number(report["ratio_median_dppo_over_grpo"])
     config = report["config"]
     assert (config["steps"], config["warmup"], config["divergence"]) == (2, 0, "binary_tv")
     assert config["model_size"] == "tiny" and config["max_completion_length"] == 8
@@ -63,6 +69,6 @@ def test_topk_capture_runs():
     report = _run_script("topk_capture.py", "--completions", "8", "--tokens", "16", "--repeats", "1")
     for key in ("extract_logprobs_us_per_token", "conversion_us_per_token", "generation_s", "config", "versions"):
         assert key in report, key
-    assert report["generation_s"] > 0
-    assert report["conversion_us_per_token"] > 0 and report["extract_logprobs_us_per_token"] > 0
+    for key in ("generation_s", "conversion_us_per_token", "extract_logprobs_us_per_token"):
+        assert _is_number(report[key]), key
     assert report["conversion_matches_reference"] is True

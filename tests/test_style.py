@@ -1,5 +1,6 @@
 """The code base stays `ruff` clean (lint and format), as CI would otherwise not notice."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -25,3 +26,18 @@ def test_ruff_check():
 def test_ruff_format():
     result = subprocess.run([*_ruff(), "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_test_asserts_a_measured_time():
+    # A wall-clock figure depends on the machine and its load; compared with anything (even `> 0`) it fails by chance.
+    timed = re.compile(
+        r"(time|_s|seconds|elapsed|duration|per_token|speed)[\"'\]]*\)?\]?\s*(>|>=|<|<=)\s*[-0-9.]"
+        r"|\b(t|dt|elapsed)\s*(>|>=|<|<=)\s*[-0-9.]"
+    )
+    offenders = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if line.lstrip().startswith("assert") and timed.search(line)
+    ]
+    assert not offenders, "tests must not assert measured times:\n" + "\n".join(offenders)

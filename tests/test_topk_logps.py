@@ -429,7 +429,8 @@ def test_benchmark_variants_agree():
             + ["--worker", variant]
         )
         result = bench.run_worker(args)
-        assert result["peak_extra_mib"] >= 0 and result["time_s"] > 0
+        # Memory is counted, not timed; the time is only checked to be reported (a fast run rounds it to 0.0)
+        assert result["peak_extra_mib"] >= 0 and math.isfinite(result["time_s"])
         losses[variant] = result["loss"]
     for variant, loss in losses.items():
         assert loss == pytest.approx(losses["naive"], rel=1e-5), variant
