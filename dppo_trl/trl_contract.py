@@ -168,3 +168,21 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_RPC_ROUTE_MODULE = "vllm.entrypoints.serve.dev.rpc.api_router"
 VLLM_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
 VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+# No π_old pass when μ comes from the engine (`DPPOTrainer._parent_old_logps_skipped`). `_generate_and_score_completions`
+# reads `self.num_iterations` once, in its π_old recompute condition, and no GRPOTrainer method it calls reads it (the
+# readers are listed), so a scoped exact `Fraction` that makes `GA % (steps_per_generation · num_iterations)` zero
+# changes that condition and nothing else. The other clause (vLLM IS correction) is off under `anchor="behavior"`.
+OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
+    "generate_every = self.args.steps_per_generation * self.num_iterations",
+    "if self.args.gradient_accumulation_steps % generate_every != 0 or (",
+    "self.use_vllm and self.vllm_importance_sampling_correction",
+    "old_per_token_logps = None",
+)
+NUM_ITERATIONS_READERS = (
+    "__init__",
+    "_generate_and_score_completions",
+    "_get_train_sampler",
+    "_prepare_inputs",
+    "get_train_dataloader",
+)
+OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
