@@ -20,7 +20,7 @@ VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64)
 # (gradient_accumulation_steps, steps_per_generation, num_iterations) -> does TRL recompute π_old?
 SHAPES = {
     "example-default": ((1, 8, 1), True),  # examples/train_dapo_math.py with no arguments
-    "gpu-recipe": ((16, 128, 1), True),  # qwen3_8b_base_dapo_math.yaml
+    "gpu-recipe": ((16, 128, 1), True),  # qwen3_1.7b_base_dapo_math.yaml
     "num-iterations-2": ((1, 1, 2), True),
     "aligned": ((4, 4, 1), False),
 }
