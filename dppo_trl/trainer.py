@@ -135,6 +135,9 @@ class DPPOTrainer(GRPOTrainer):
             patch_trl_vllm_server_for_cpu()
 
         super().__init__(*bound.args[1:], **bound.kwargs)
+        # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
+        # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
+        self._check_liger_device()
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
 
         # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
@@ -185,6 +188,15 @@ class DPPOTrainer(GRPOTrainer):
         if topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
         return output
+
+    def _check_liger_device(self) -> None:
+        """`use_liger_kernel=True` needs CUDA: Liger's Triton layer kernels fail on the first forward elsewhere."""
+        if self.args.use_liger_kernel and self.accelerator.device.type != "cuda":
+            raise ValueError(
+                f"use_liger_kernel=True applies Liger's Triton layer kernels, which need a CUDA device; this trainer "
+                f"runs on {self.accelerator.device.type!r}. Set use_liger_kernel=False. (With CUDA it only swaps "
+                "RMSNorm/SwiGLU/RoPE kernels; the DPPO loss is always computed by DPPOTrainer.)"
+            )
 
     def _discards_parent_old_logps(self) -> bool:
         """Whether GRPOTrainer's no-grad π_old pass would be thrown away: μ comes from the engine (vLLM colocate or

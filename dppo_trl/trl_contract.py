@@ -186,3 +186,14 @@ NUM_ITERATIONS_READERS = (
     "get_train_dataloader",
 )
 OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
+# `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
+# (`dppo_trl/config.py`, SUPPORTED_LOSS_TYPES).
+LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
+# `use_liger_kernel`: GRPOTrainer.__init__ raises its own errors (an adapter on lm_head, Liger's fused cross-entropy)
+# and transformers applies the kernels in `Trainer.train`, not in `__init__`; DPPOTrainer refuses a non-CUDA device in
+# between (`DPPOTrainer._check_liger_device`).
+LIGER_GRPO_INIT_FRAGMENTS = (
+    "Applying a PEFT adapter to `lm_head` is not supported",
+    '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported',
+)
+LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"

@@ -229,3 +229,18 @@ def test_old_logps_recompute_condition_is_the_only_num_iterations_reader_in_gene
     init = inspect.getsource(GRPOTrainer.__init__)
     for attr in trl_contract.OLD_LOGPS_TRAINER_ATTRIBUTES:
         assert f"self.{attr} =" in init, f"GRPOTrainer.__init__ no longer sets self.{attr}"
+
+
+def test_luspo_aggregates_a_token_level_term():
+    assert trl_contract.LUSPO_AGGREGATION in inspect.getsource(GRPOTrainer._compute_loss)
+
+
+def test_liger_errors_and_kernels_are_where_dppo_expects_them():
+    """GRPOTrainer raises its Liger-related errors in `__init__`; transformers applies the kernels in `train()`."""
+    from transformers import Trainer
+
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for fragment in trl_contract.LIGER_GRPO_INIT_FRAGMENTS:
+        assert fragment in init, f"GRPOTrainer.__init__ changed: missing {fragment!r}"
+    assert trl_contract.LIGER_APPLY_FRAGMENT in inspect.getsource(Trainer.train)
+    assert trl_contract.LIGER_APPLY_FRAGMENT not in inspect.getsource(Trainer.__init__)
