@@ -218,6 +218,8 @@ class DPPOTrainer(GRPOTrainer):
         `self.num_iterations` is read only by this condition (pinned in `dppo_trl/trl_contract.py`), so an exact
         `Fraction(GA, steps_per_generation)` makes the modulus 0 for any shape; the integer is restored on exit.
         Nothing else changes: the reference pass (β > 0), rewards and advantages are the parent's as before.
+        Chosen over declining the policy call in `_get_per_token_logps_and_entropies`: the PEFT reference pass makes
+        the same call with `self.model` (adapter disabled), so the two cannot be told apart there.
         """
         if not skip:
             yield

@@ -109,6 +109,18 @@ def test_ablations_that_need_pi_old_still_get_one_pass(binary, monkeypatch, sett
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_num_iterations_is_restored_when_generation_fails(binary, monkeypatch):
+    def broken_rewards(*args, **kwargs):
+        raise RuntimeError("reward server down")
+
+    monkeypatch.setattr(binary, "_calculate_rewards", broken_rewards)
+    with pytest.raises(RuntimeError, match="reward server down"):
+        binary._generate_and_score_completions(TINY_GROUPS)
+    assert type(binary.num_iterations) is int and binary.num_iterations == binary.args.num_iterations
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_loss_and_gradient_do_not_depend_on_the_skipped_pass(binary, monkeypatch):
     """Before, the parent's π_old reached the batch and was replaced by μ; the loss and gradient are the same."""
     output, _ = _generate(binary, monkeypatch, SHAPES["example-default"][0])
