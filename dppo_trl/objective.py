@@ -42,7 +42,7 @@ class TokenView:
     Attributes:
         pi_logps: log π(y_t) of the current policy.
         mu_logps: log μ(y_t), already sanitised (`dppo_trl.behavior.sanitize_behavior_logps`: finite where valid).
-        advantages: A, broadcastable to `(B, T)` (`(B, 1)` for sequence advantages).
+        advantages: A, `(B, T)`, `(B, 1)` or `(B,)` (one value per sequence).
         tokens: bool, the completion tokens the loss counts (`completion_mask * tool_mask`).
         valid: bool, μ is valid at that token (the engine reported a finite log-prob).
         old_logps: π_old (the trainer's recompute), only for registry entries with `needs_old_logps`.
@@ -69,6 +69,12 @@ class TokenView:
         return self.tokens.bool() & self.valid.bool()
 
 
+def _per_token_advantages(view: TokenView, like: Tensor) -> Tensor:
+    """A as `(B, T)` float32: `(B,)` sequence advantages are one value per row (GRPOTrainer's convention)."""
+    adv = view.advantages.detach().float()
+    return (adv.unsqueeze(-1) if adv.dim() == 1 else adv).expand_as(like)
+
+
 def effective_divergence(args: Any, view: TokenView) -> str:
     """The divergence a loss call computes: `args.divergence`, or its binary form when a top-K divergence has no
     top-K tensors (on-policy, μ ≡ π: both forms give D = 0 exactly)."""
@@ -89,7 +95,7 @@ def trust_region_coefficient(args: Any, view: TokenView) -> tuple[Tensor, Tensor
     region = TRUST_REGIONS[args.trust_region]
     pi = view.pi_logps.detach().float()
     mu = view.mu_logps.detach().float()
-    adv = view.advantages.detach().float().expand_as(pi)
+    adv = _per_token_advantages(view, pi)
     name = effective_divergence(args, view)
     topk = (
         ()
@@ -193,7 +199,7 @@ def trust_region_stats(
     """
     pi = view.pi_logps.detach().float()
     mu = view.mu_logps.detach().float()
-    adv = view.advantages.detach().float().expand_as(pi)
+    adv = _per_token_advantages(view, pi)
     counted = view.counted
     tokens = counted.float()
     zero = torch.zeros_like(pi)
@@ -304,7 +310,7 @@ def observer_record(view: TokenView, coef: Tensor, divergence: Tensor) -> dict[s
         "keep": (coef > 0).float(),
         "pi_logps": pi,
         "mu_logps": view.mu_logps.detach().float(),
-        "advantages": view.advantages.detach().float().expand_as(pi),
+        "advantages": _per_token_advantages(view, pi),
         "divergence": divergence,
         "entropies": view.entropies.detach() if view.entropies is not None else None,
         "staleness": view.staleness,

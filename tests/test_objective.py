@@ -266,3 +266,15 @@ def test_aggregation_matches_the_written_normalisers(loss_type, training):
         "luspo": sum(sum(per_token[b, t].item() for t in range(5) if mask[b, t]) for b in range(3)) / 3 / gas,
     }[loss_type]
     assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_sequence_advantages_of_shape_b_are_one_value_per_row():
+    view = _view(seed=8)
+    flat = TokenView(**{**view.__dict__, "advantages": view.advantages.squeeze(1)})
+    args = _args()
+    assert all(
+        torch.equal(a, b) for a, b in zip(trust_region_coefficient(args, view), trust_region_coefficient(args, flat))
+    )
+    coef, div = trust_region_coefficient(args, view)
+    assert trust_region_stats(args, flat, coef, div).keys() == trust_region_stats(args, view, coef, div).keys()
+    assert torch.equal(observer_record(flat, coef, div)["advantages"], observer_record(view, coef, div)["advantages"])
