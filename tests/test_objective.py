@@ -278,3 +278,27 @@ def test_sequence_advantages_of_shape_b_are_one_value_per_row():
     coef, div = trust_region_coefficient(args, view)
     assert trust_region_stats(args, flat, coef, div).keys() == trust_region_stats(args, view, coef, div).keys()
     assert torch.equal(observer_record(flat, coef, div)["advantages"], observer_record(view, coef, div)["advantages"])
+
+
+def test_packed_token_lists_give_the_same_metrics():
+    """The asynchronous trainer packs tokens as flat `(N,)` lists: the core is element-wise, so flattening the
+    counted tokens (with per-token advantages and staleness) gives the same coefficient and metrics."""
+    args = _args(mu_kl_coef=1e-3)
+    view = _view(seed=9, staleness=torch.tensor([0, 1, 2, 1]))
+    coef, div = trust_region_coefficient(args, view)
+    keep = view.tokens
+    packed = TokenView(
+        pi_logps=view.pi_logps[keep],
+        mu_logps=view.mu_logps[keep],
+        advantages=view.advantages.expand(4, 7)[keep],
+        tokens=torch.ones(int(keep.sum()), dtype=torch.bool),
+        valid=view.valid[keep],
+        staleness=view.staleness.unsqueeze(1).expand(4, 7)[keep],
+    )
+    packed_coef, packed_div = trust_region_coefficient(args, packed)
+    assert torch.equal(packed_coef, coef[keep]) and torch.equal(packed_div, div[keep])
+    got = trust_region_metrics(
+        trust_region_stats(args, packed, packed_coef, packed_div, max_staleness=2), _identity, _identity
+    )
+    want = trust_region_metrics(trust_region_stats(args, view, coef, div, max_staleness=2), _identity, _identity)
+    _assert_metrics_close(got, want)
