@@ -35,6 +35,12 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("self", "model", "trial"),
 }
 
+# Of those, the static methods: DPPOTrainer keeps them static with the same signature, and called on the class (outside
+# a DPPO loss call) they are TRL's own. `get_off_policy_mask` is the seam the DPPO weight goes through: the parent's
+# `_compute_loss` calls it as `self.get_off_policy_mask(...)` with π, and DPPOTrainer's static wrapper returns the DPPO
+# weight only inside the `_SeamCall` its `_compute_loss` opened (dppo_trl/trainer.py).
+STATIC_METHODS = ("get_off_policy_mask",)
+
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
 TRAINER_ATTRIBUTES = (
     "epsilon_low",
@@ -46,6 +52,9 @@ TRAINER_ATTRIBUTES = (
     "temperature",
     "accelerator",
     "model",
+    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.objective.aggregate_per_token_loss)
+    "max_completion_length",
+    "current_gradient_accumulation_steps",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
 
@@ -58,6 +67,17 @@ COMPUTE_LOSS_FRAGMENTS = (
     "per_token_loss = per_token_loss * off_policy_mask",
     "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
     "if advantages.dim() == 1:",
+)
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.objective.aggregate_per_token_loss` reproduces for the
+# μ-KL term (behaviourally pinned by tests/test_mu_kl.py with one process; these pin the multi-process scaling too).
+LOSS_AGGREGATION_FRAGMENTS = (
+    "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+    "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+    "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
+    'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+    "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+    "loss = (per_token_loss * mask).sum(-1).mean()",
+    'normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0',
 )
 # `_get_per_token_logps_and_entropies` returns `(logps, entropies, aux_loss)`.
 PER_TOKEN_LOGPS_ARITY = 3
