@@ -198,9 +198,10 @@ def parse_level(spec: str | None, seed: int = 0) -> tuple[WeightMismatch, Engine
     for part in (spec or "none").strip().split("+"):
         key, _, value = part.partition("=")
         if key in ("kv", "dtype"):
-            if not value or key in engine:
+            field = "kv_cache_dtype" if key == "kv" else "dtype"
+            if not value or field in engine:
                 raise ValueError(f"--mismatch {spec!r}: {key}= needs one value (e.g. 'kv=fp8', 'dtype=float16').")
-            engine["kv_cache_dtype" if key == "kv" else "dtype"] = value
+            engine[field] = value
         else:
             weight_parts.append(part)
     if engine and not weight_parts:
