@@ -93,3 +93,31 @@ def test_mean_se():
     assert mean_se([0.2]) == (0.2, None)
     with pytest.raises(ValueError, match="no values"):
         mean_se([])
+
+
+def test_compare_pools_the_committed_sweep(tmp_path):
+    """compare.py on the committed 5-seed sweep: its cells and the 1/5 vs 4/5 test (p = 52/252) come out exactly."""
+    import json
+    import subprocess
+
+    sweep = os.path.join(REPO_ROOT, "benchmarks", "sanity", "results", "mismatch_sweep", "sweep.json")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "sanity", "compare.py"), "--sweeps", sweep]
+        + ["--levels", "none,noise=0.3", "--test-levels", "noise=0.3", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "examples")])},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert summary["seeds_used"] == {"none": [0, 1, 2, 3, 4], "noise=0.3": [0, 1, 2, 3, 4]}
+    tests = {t["against"]: t for t in summary["primary_tests"]}
+    assert set(tests) == {"grpo_clip", "clip_higher", "pg_is"}
+    assert tests["grpo_clip"]["collapsed"] == [1, 5] and tests["grpo_clip"]["against_collapsed"] == [4, 5]
+    assert tests["grpo_clip"]["p_two_sided"] == pytest.approx(52 / 252, rel=1e-4)
+    assert tests["pg_is"]["p_two_sided"] == 1.0
+    with open(tmp_path / "compare.json") as f:
+        cells = json.load(f)["cells"]
+    assert cells["none|grpo_clip"]["collapsed"] == 0 and cells["none|dppo_tv"]["collapsed"] == 2
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

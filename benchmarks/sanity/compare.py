@@ -44,10 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reference", default="dppo_tv")
     p.add_argument("--against", default="grpo_clip,clip_higher,pg_is", help="the primary comparisons (Holm family)")
     p.add_argument("--secondary", default="dppo_kl", help="also compared with --against, raw p only")
+    p.add_argument("--test-levels", default=None, help="levels to test (default: every level; the others: cells only)")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
-    for key in ("levels", "methods", "against", "secondary"):
+    args.test_levels = args.test_levels or args.levels
+    for key in ("levels", "methods", "against", "secondary", "test_levels"):
         setattr(args, key, [x.strip() for x in getattr(args, key).split(",") if x.strip()])
+    if not set(args.test_levels) <= set(args.levels):
+        raise SystemExit(f"--test-levels {args.test_levels} must be among --levels {args.levels}")
     return args
 
 
@@ -126,11 +130,13 @@ def analyse(args: argparse.Namespace, pooled: dict) -> dict:
             "p_two_sided": fisher_exact(ca["collapsed"], ca["n"], cb["collapsed"], cb["n"]),
         }
 
-    primary = [c for lvl in args.levels for b in args.against if (c := compare(lvl, args.reference, b))]
+    primary = [c for lvl in args.test_levels for b in args.against if (c := compare(lvl, args.reference, b))]
     for c, p_adj in zip(primary, holm([c["p_two_sided"] for c in primary])):
         c["p_holm"] = p_adj
         c["significant_holm_0.05"] = p_adj < 0.05
-    secondary = [c for lvl in args.levels for a in args.secondary for b in args.against if (c := compare(lvl, a, b))]
+    secondary = [
+        c for lvl in args.test_levels for a in args.secondary for b in args.against if (c := compare(lvl, a, b))
+    ]
     p4 = {}
     for level in args.levels:
         ref, ch = cells.get(f"{level}|{args.reference}"), cells.get(f"{level}|clip_higher")
@@ -236,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
             "reference": args.reference,
             "against": args.against,
             "secondary": args.secondary,
+            "test_levels": args.test_levels,
             "reach_accuracy": run.REACH_ACCURACY,
             "p4": f"median steps to {run.REACH_ACCURACY:g} of {args.reference} <= {P4_RATIO} x clip_higher's",
         },
