@@ -16,10 +16,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks", "sanity"))
 
 from mismatch import (  # noqa: E402
+    EngineMismatch,
     WeightMismatch,
+    engine_overrides,
     fake_quant_e4m3,
     fake_quant_int8,
     install_weight_mismatch,
+    parse_level,
     relative_noise,
 )
 
@@ -58,6 +61,37 @@ def test_parse_and_labels():
     for bad in ("int4", "noise=", "noise=-1", "fp8", "int8+e4m3"):
         with pytest.raises(ValueError, match="mismatch"):
             WeightMismatch.parse(bad)
+
+
+def test_parse_level_splits_engine_and_weight_parts():
+    assert parse_level("none") == (WeightMismatch(), EngineMismatch())
+    assert parse_level("noise=0.3", seed=1) == (WeightMismatch(noise=0.3, seed=1), EngineMismatch())
+    assert parse_level("kv=fp8_e5m2") == (WeightMismatch(), EngineMismatch(kv_cache_dtype="fp8_e5m2"))
+    assert parse_level("dtype=float16+kv=fp8") == (WeightMismatch(), EngineMismatch("fp8", "float16"))
+    assert parse_level("int8+noise=0.1+kv=fp8") == (WeightMismatch("int8", 0.1), EngineMismatch("fp8"))
+    assert EngineMismatch().off and EngineMismatch().llm_kwargs() == {}
+    assert EngineMismatch("fp8", "float16").llm_kwargs() == {"kv_cache_dtype": "fp8", "dtype": "float16"}
+    for bad in ("kv=fp4", "dtype=int8", "kv=", "kv=fp8+kv=fp8_e5m2", "kv=fp8+int4"):
+        with pytest.raises(ValueError, match="mismatch"):
+            parse_level(bad)
+
+
+def test_engine_overrides_restore_trl_llm_symbol():
+    """The override lives only while TRL builds the engine: no global state outlives the block, even on error.
+
+    (Its effect on a real engine is recorded per run: `run.py` stores the engine's own `cache_config.cache_dtype`.)
+    """
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.LLM
+    with engine_overrides(EngineMismatch()):
+        assert vllm_generation.LLM is original  # off: TRL's symbol untouched
+    with engine_overrides(EngineMismatch(kv_cache_dtype="fp8")):
+        assert vllm_generation.LLM is not original
+    assert vllm_generation.LLM is original
+    with pytest.raises(RuntimeError, match="boom"), engine_overrides(EngineMismatch(dtype="float16")):
+        raise RuntimeError("boom")
+    assert vllm_generation.LLM is original
 
 
 def test_int8_is_per_channel_symmetric_and_matches_reference():

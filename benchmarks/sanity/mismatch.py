@@ -14,6 +14,12 @@ The weights TRL syncs into vLLM are perturbed on their way there; the trainer ke
   not like fresh sampling noise;
 - combinations (`int8+noise=0.02`): quantize, then add noise.
 
+Engine-side settings (`EngineMismatch`) leave the weights alone and change how the engine computes instead, the way a
+real inference stack errs: `kv=fp8` / `kv=fp8_e4m3` / `kv=fp8_e5m2` stores vLLM's KV cache in fp8 (the CPU attention
+backend's own `kv_cache_dtype`, with its default unit scales), `dtype=float16` / `dtype=float32` runs the engine in
+another precision than the benchmark's bf16. A `--mismatch` level may combine both kinds (`kv=fp8+noise=0.1`);
+`parse_level` splits it.
+
 Only matrices (ndim ≥ 2: linear layers, embeddings and the LM head) are perturbed, as weight-only quantization does;
 norm weights and biases pass through unchanged. The hook wraps the instance's `VLLMGeneration._iter_named_params`,
 the iterator every sync path consumes (TRL's own and `dppo_trl.vllm_cpu`'s colocate reload), so nothing of TRL's sync
@@ -23,6 +29,7 @@ first generation syncs (and perturbs) before it samples: the engine never sample
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 from collections.abc import Iterator
@@ -31,15 +38,22 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "ENGINE_DTYPES",
+    "KV_CACHE_DTYPES",
     "QUANTIZERS",
+    "EngineMismatch",
     "WeightMismatch",
+    "engine_overrides",
     "fake_quant_e4m3",
     "fake_quant_int8",
     "install_weight_mismatch",
+    "parse_level",
     "relative_noise",
 ]
 
 QUANTIZERS = ("none", "int8", "e4m3")
+KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # what vLLM's CPU attention backend accepts besides "auto"
+ENGINE_DTYPES = ("float16", "bfloat16", "float32")
 INT8_MAX = 127.0
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -153,3 +167,68 @@ def install_weight_mismatch(trainer, mismatch: WeightMismatch) -> WeightMismatch
 
     generation._iter_named_params = perturbed_named_params
     return mismatch
+
+
+@dataclass(frozen=True)
+class EngineMismatch:
+    """Engine-side settings that change how vLLM computes μ, not the weights it holds (None: the benchmark's own)."""
+
+    kv_cache_dtype: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"mismatch kv={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}.")
+        if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"mismatch dtype={self.dtype!r} is not one of {ENGINE_DTYPES}.")
+
+    @property
+    def off(self) -> bool:
+        return self.kv_cache_dtype is None and self.dtype is None
+
+    def llm_kwargs(self) -> dict:
+        """The `vllm.LLM` arguments this setting overrides."""
+        kwargs = {"kv_cache_dtype": self.kv_cache_dtype, "dtype": self.dtype}
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def parse_level(spec: str | None, seed: int = 0) -> tuple[WeightMismatch, EngineMismatch]:
+    """Split a `--mismatch` level into its weight part and its engine part (`kv=...`, `dtype=...`)."""
+    engine, weight_parts = {}, []
+    for part in (spec or "none").strip().split("+"):
+        key, _, value = part.partition("=")
+        if key in ("kv", "dtype"):
+            field = "kv_cache_dtype" if key == "kv" else "dtype"
+            if not value or field in engine:
+                raise ValueError(f"--mismatch {spec!r}: {key}= needs one value (e.g. 'kv=fp8', 'dtype=float16').")
+            engine[field] = value
+        else:
+            weight_parts.append(part)
+    if engine and not weight_parts:
+        weight_parts = ["none"]
+    return WeightMismatch.parse("+".join(weight_parts), seed=seed), EngineMismatch(**engine)
+
+
+@contextlib.contextmanager
+def engine_overrides(engine: EngineMismatch):
+    """While active, every `vllm.LLM` that TRL's colocate backend builds gets `engine`'s arguments.
+
+    Wrap only the trainer's construction (that is where TRL builds the engine); the original symbol is restored on
+    exit, so no global state outlives the block.
+    """
+    if engine.off:
+        yield engine
+        return
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.LLM
+    overrides = engine.llm_kwargs()
+
+    def llm_with_overrides(*args, **kwargs):
+        return original(*args, **{**kwargs, **overrides})
+
+    vllm_generation.LLM = llm_with_overrides
+    try:
+        yield engine
+    finally:
+        vllm_generation.LLM = original

@@ -21,6 +21,7 @@ See docs/results.md for the settings, the scaling and the reading.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -203,28 +204,36 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
     torch.manual_seed(seed)
     dataset = load_dapo_math(args.data, split="train", max_samples=args.max_train_samples)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    mismatch = getattr(args, "mismatch", "none")
+    engine_settings = contextlib.nullcontext()
+    weight_mismatch = None
+    if mismatch != "none":
+        # Research-only (see mismatch.py): the engine samples from perturbed copies of the trainer's weights and/or
+        # computes differently (fp8 KV cache, another engine dtype); the engine part applies while TRL builds it.
+        from mismatch import engine_overrides, install_weight_mismatch, parse_level
+
+        weight_mismatch, engine_mismatch = parse_level(mismatch, seed=getattr(args, "mismatch_seed", 0))
+        engine_settings = engine_overrides(engine_mismatch)
     with tempfile.TemporaryDirectory() as tmp:
         config = DPPOConfig(output_dir=tmp, seed=seed, data_seed=seed, **training_settings(args), **METHODS[method])
-        trainer = DPPOTrainer(
-            model=args.model,
-            reward_funcs=[accuracy_reward],
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
+        with engine_settings:
+            trainer = DPPOTrainer(
+                model=args.model,
+                reward_funcs=[accuracy_reward],
+                args=config,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
         stats = MaskedTokenStats(trainer, args.steps_per_generation)
         trainer.trust_region_observers.append(stats)
-        mismatch = getattr(args, "mismatch", "none")
-        if mismatch != "none":
-            # Research-only (see mismatch.py): the engine samples from perturbed copies of the trainer's weights.
-            from mismatch import WeightMismatch, install_weight_mismatch
-
-            install_weight_mismatch(trainer, WeightMismatch.parse(mismatch, seed=getattr(args, "mismatch_seed", 0)))
+        if weight_mismatch is not None and not weight_mismatch.off:
+            install_weight_mismatch(trainer, weight_mismatch)
         start = time.time()
         trainer.train()
         seconds = time.time() - start
         history = trainer.state.log_history
         engine_dtype = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+        kv_cache_dtype = str(trainer.vllm_generation.llm.llm_engine.vllm_config.cache_config.cache_dtype)
         trainer_dtype = str(next(trainer.model.parameters()).dtype)
         del trainer  # frees the engine before the next run in this process
     curves = {}
@@ -237,6 +246,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
         "mismatch": getattr(args, "mismatch", "none"),
         "train_seconds": round(seconds, 1),
         "engine_dtype": engine_dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "trainer_dtype": trainer_dtype,
         "curves": curves,
         "fig6": stats.summary(tokenizer),
@@ -512,7 +522,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mismatch",
         default="none",
-        help="research only: perturb the weights synced into the engine (mismatch.py), e.g. e4m3 or noise=0.5",
+        help="research only: perturb the engine's weights or computation (mismatch.py), e.g. noise=0.5 or kv=fp8",
     )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", default=DEFAULT_DATA)

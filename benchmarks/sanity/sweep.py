@@ -40,7 +40,7 @@ import run  # noqa: E402  (sets up sys.path and the offline environment)
 REPO_ROOT = run.REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 from bench_env import load_average, machine_info, versions  # noqa: E402
-from mismatch import WeightMismatch  # noqa: E402
+from mismatch import parse_level  # noqa: E402
 
 DEFAULT_OUTPUT = os.path.join(HERE, "results", "mismatch_sweep")
 # Calibrated on examples/tiny_math_model (docs/results.md): the bf16 engine alone gives a fresh mean |π − μ| of
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.run_args = QUICK["run_args"]
     args.level_list = [lvl.strip() for lvl in args.levels.split(",") if lvl.strip()]
     for level in args.level_list:
-        WeightMismatch.parse(level)  # a clear error before any worker starts
+        parse_level(level)  # a clear error before any worker starts
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.method_list if m not in run.METHODS]
     if unknown:

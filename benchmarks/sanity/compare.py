@@ -1,0 +1,264 @@
+# Copyright 2026 The dppo-trl authors. Licensed under the Apache License, Version 2.0.
+"""Pool mismatch sweeps' seeds and test the trust regions' collapse rates (docs/results.md, issue 21).
+
+Reads one or more `sweep.json` files written by `sweep.py` (the committed 5-seed sweep and the runs that add seeds
+to it), pools their runs per (level, method) and reports, per cell: collapsed / N with an exact Clopper–Pearson 95%
+interval, final accuracy mean ± standard error, and steps to a smoothed 20% accuracy (`run.py`'s REACH_ACCURACY).
+Then the analysis fixed before the runs: at each level, the reference method's collapse count against each method
+of `--against`, Fisher's exact test, two-sided, with Holm–Bonferroni adjusted p over every comparison of the call
+(`--secondary` methods get raw p only). Only seeds that finished for every method of a level are used, so each
+comparison is on the same seeds.
+
+```bash
+python benchmarks/sanity/compare.py \\
+    --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json benchmarks/sanity/results/mismatch_seeds/sweep.json \\
+    --levels none,noise=0.3 --output-dir benchmarks/sanity/results/mismatch_seeds
+```
+
+Writes `compare.json`, `compare.md` and `compare.png` to `--output-dir`; stdout is one JSON object (the tests and the
+cells), notices go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import run  # noqa: E402  (sets up sys.path and the offline environment)
+from stats import clopper_pearson, fisher_exact, holm, mean_se  # noqa: E402
+
+METHODS = "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is"
+P4_RATIO = 0.7  # P4: DPPO reaches the accuracy threshold in at most this fraction of clip_higher's steps
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweeps", nargs="+", required=True, help="sweep.json files to pool")
+    p.add_argument("--levels", required=True, help="comma-separated levels to analyse")
+    p.add_argument("--methods", default=METHODS)
+    p.add_argument("--reference", default="dppo_tv")
+    p.add_argument("--against", default="grpo_clip,clip_higher,pg_is", help="the primary comparisons (Holm family)")
+    p.add_argument("--secondary", default="dppo_kl", help="also compared with --against, raw p only")
+    p.add_argument("--test-levels", default=None, help="levels to test (default: every level; the others: cells only)")
+    p.add_argument("--output-dir", required=True)
+    args = p.parse_args(argv)
+    args.test_levels = args.test_levels or args.levels
+    for key in ("levels", "methods", "against", "secondary", "test_levels"):
+        setattr(args, key, [x.strip() for x in getattr(args, key).split(",") if x.strip()])
+    if not set(args.test_levels) <= set(args.levels):
+        raise SystemExit(f"--test-levels {args.test_levels} must be among --levels {args.levels}")
+    return args
+
+
+def steps_to_reach(row: dict) -> int | None:
+    """First step whose smoothed accuracy reaches run.REACH_ACCURACY (None: never), as `run.run_summary` counts it."""
+    return next((s for s, v in run._smoothed(row["curves"]["accuracy"]) if v >= run.REACH_ACCURACY), None)
+
+
+def pool_runs(paths: list[str]) -> tuple[dict, list[dict]]:
+    """(level, method, seed) -> run row over every sweep; a seed present twice must agree (it is the same run)."""
+    pooled, sources = {}, []
+    for path in paths:
+        with open(path) as f:
+            sweep = json.load(f)
+        sources.append({"path": os.path.relpath(path, run.REPO_ROOT), "command": sweep.get("command")})
+        for row in sweep["runs"]:
+            if "error" in row:
+                print(f"[compare] skipping failed run {row['level']} {row['method']} {row['seed']}", file=sys.stderr)
+                continue
+            key = (row["level"], row["method"], row["seed"])
+            if key in pooled and pooled[key]["final_accuracy"] != row["final_accuracy"]:
+                raise SystemExit(f"[compare] {key} appears in two sweeps with different results; pool disjoint seeds.")
+            pooled[key] = row
+    return pooled, sources
+
+
+def common_seeds(pooled: dict, level: str, methods: list[str]) -> list[int]:
+    per_method = [{s for (lvl, m, s) in pooled if lvl == level and m == method} for method in methods]
+    return sorted(set.intersection(*per_method)) if per_method else []
+
+
+def cell(rows: list[dict]) -> dict:
+    n = len(rows)
+    collapsed = sum(bool(r["collapsed"]) for r in rows)
+    lo, hi = clopper_pearson(collapsed, n)
+    mean, se = mean_se([r["final_accuracy"] for r in rows])
+    reach = [steps_to_reach(r) for r in rows]
+    reached = [s for s in reach if s is not None]
+    fresh = [r["fresh_mismatch_first"] for r in rows if r.get("fresh_mismatch_first") is not None]
+    return {
+        "n": n,
+        "collapsed": collapsed,
+        "collapse_rate": collapsed / n,
+        "collapse_ci95_clopper_pearson": [lo, hi],
+        "final_accuracy_mean": mean,
+        "final_accuracy_se": se,
+        "reached_20pct": len(reached),
+        "steps_to_20pct_median": statistics.median(reached) if reached else None,
+        "steps_to_20pct": reach,
+        "fresh_mismatch_first_mean": sum(fresh) / len(fresh) if fresh else None,
+        "seeds": [r["seed"] for r in rows],
+    }
+
+
+def analyse(args: argparse.Namespace, pooled: dict) -> dict:
+    cells, seeds_used = {}, {}
+    for level in args.levels:
+        seeds = common_seeds(pooled, level, args.methods)
+        seeds_used[level] = seeds
+        if not seeds:
+            print(f"[compare] level {level}: no seed finished for every method", file=sys.stderr)
+            continue
+        for method in args.methods:
+            cells[f"{level}|{method}"] = cell([pooled[(level, method, s)] for s in seeds])
+
+    def compare(level: str, a: str, b: str) -> dict | None:
+        ca, cb = cells.get(f"{level}|{a}"), cells.get(f"{level}|{b}")
+        if ca is None or cb is None:
+            return None
+        return {
+            "level": level,
+            "method": a,
+            "against": b,
+            "collapsed": [ca["collapsed"], ca["n"]],
+            "against_collapsed": [cb["collapsed"], cb["n"]],
+            "p_two_sided": fisher_exact(ca["collapsed"], ca["n"], cb["collapsed"], cb["n"]),
+        }
+
+    primary = [c for lvl in args.test_levels for b in args.against if (c := compare(lvl, args.reference, b))]
+    for c, p_adj in zip(primary, holm([c["p_two_sided"] for c in primary])):
+        c["p_holm"] = p_adj
+        c["significant_holm_0.05"] = p_adj < 0.05
+    secondary = [
+        c for lvl in args.test_levels for a in args.secondary for b in args.against if (c := compare(lvl, a, b))
+    ]
+    p4 = {}
+    for level in args.levels:
+        ref, ch = cells.get(f"{level}|{args.reference}"), cells.get(f"{level}|clip_higher")
+        if ref and ch and ref["steps_to_20pct_median"] is not None and ch["steps_to_20pct_median"] is not None:
+            ratio = ref["steps_to_20pct_median"] / ch["steps_to_20pct_median"]
+            p4[level] = {"ratio_of_medians": ratio, "holds": ratio <= P4_RATIO}
+        else:
+            p4[level] = {"ratio_of_medians": None, "holds": None}
+    return {"seeds_used": seeds_used, "cells": cells, "primary_tests": primary, "secondary_tests": secondary, "p4": p4}
+
+
+def format_tables(args: argparse.Namespace, result: dict) -> str:
+    lines = [
+        "| level | method | N | collapsed | 95% CI (Clopper–Pearson) | final acc mean ± s.e. | reached 20% | "
+        "median steps to 20% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for level in args.levels:
+        for method in args.methods:
+            c = result["cells"].get(f"{level}|{method}")
+            if not c:
+                continue
+            lo, hi = c["collapse_ci95_clopper_pearson"]
+            se = "–" if c["final_accuracy_se"] is None else f"{c['final_accuracy_se']:.3f}"
+            med = "–" if c["steps_to_20pct_median"] is None else f"{c['steps_to_20pct_median']:g}"
+            lines.append(
+                f"| {level} | {method} | {c['n']} | {c['collapsed']}/{c['n']} | [{lo:.2f}, {hi:.2f}] | "
+                f"{c['final_accuracy_mean']:.3f} ± {se} | {c['reached_20pct']}/{c['n']} | {med} |"
+            )
+    lines += ["", "| level | comparison | collapsed | Fisher p (two-sided) | Holm p |", "|---|---|---|---|---|"]
+    for t in result["primary_tests"] + result["secondary_tests"]:
+        holm_p = f"{t['p_holm']:.3g}" if "p_holm" in t else "– (secondary)"
+        lines.append(
+            f"| {t['level']} | {t['method']} vs {t['against']} | {t['collapsed'][0]}/{t['collapsed'][1]} vs "
+            f"{t['against_collapsed'][0]}/{t['against_collapsed'][1]} | {t['p_two_sided']:.3g} | {holm_p} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(args: argparse.Namespace, result: dict, path: str) -> str:
+    """Collapse rate (Clopper–Pearson 95% bars) and final accuracy (± s.e.) per method, one group per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    cmap = plt.get_cmap("tab10")
+    width = 0.8 / max(1, len(args.methods))
+    for i, method in enumerate(args.methods):
+        xs, rate, err, acc, acc_err = [], [], [[], []], [], []
+        for j, level in enumerate(args.levels):
+            c = result["cells"].get(f"{level}|{method}")
+            if not c:
+                continue
+            lo, hi = c["collapse_ci95_clopper_pearson"]
+            xs.append(j + (i - (len(args.methods) - 1) / 2) * width)
+            rate.append(c["collapse_rate"])
+            err[0].append(c["collapse_rate"] - lo)
+            err[1].append(hi - c["collapse_rate"])
+            acc.append(c["final_accuracy_mean"])
+            acc_err.append(c["final_accuracy_se"] or 0.0)
+        axes[0].bar(xs, rate, width, yerr=err, color=cmap(i), label=method, capsize=2, error_kw={"lw": 0.8})
+        axes[1].bar(xs, acc, width, yerr=acc_err, color=cmap(i), label=method, capsize=2, error_kw={"lw": 0.8})
+    for ax, title in zip(axes, ("collapse rate (bars: Clopper–Pearson 95%)", "final training accuracy (mean ± s.e.)")):
+        labels = []
+        for level in args.levels:
+            n = result["seeds_used"].get(level, [])
+            ref = result["cells"].get(f"{level}|{args.reference}")
+            x = (
+                ""
+                if not ref or ref["fresh_mismatch_first_mean"] is None
+                else f"\n{ref['fresh_mismatch_first_mean']:.1e}"
+            )
+            labels.append(f"{level}{x}\nN={len(n)}")
+        ax.set_xticks(range(len(args.levels)), labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.tick_params(labelsize=8)
+    axes[0].set_ylim(0, 1.05)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        "mismatch sweep, pooled seeds (level, fresh mean |π − μ| at the first generation, seeds)", fontsize=10
+    )
+    fig.tight_layout()
+    run._save_small(fig, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    pooled, sources = pool_runs(args.sweeps)
+    result = analyse(args, pooled)
+    os.makedirs(args.output_dir, exist_ok=True)
+    argv = sys.argv[1:] if argv is None else argv
+    out = {
+        "command": " ".join(["python", os.path.relpath(__file__, run.REPO_ROOT), *argv]),
+        "sources": sources,
+        "analysis": {
+            "outcome": "collapsed (sweep.py / run.py criterion)",
+            "test": "Fisher's exact test, two-sided; Holm–Bonferroni over the primary comparisons",
+            "interval": "Clopper–Pearson exact 95%",
+            "reference": args.reference,
+            "against": args.against,
+            "secondary": args.secondary,
+            "test_levels": args.test_levels,
+            "reach_accuracy": run.REACH_ACCURACY,
+            "p4": f"median steps to {run.REACH_ACCURACY:g} of {args.reference} <= {P4_RATIO} x clip_higher's",
+        },
+        **result,
+        "plot": os.path.basename(plot(args, result, os.path.join(args.output_dir, "compare.png"))),
+    }
+    with open(os.path.join(args.output_dir, "compare.json"), "w") as f:
+        json.dump(run._rounded(out), f, indent=1)
+        f.write("\n")
+    tables = format_tables(args, result)
+    with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
+        f.write(f"`{out['command']}`\n\n{tables}\n")
+    print(tables, file=sys.stderr)
+    print(json.dumps(run._rounded({k: out[k] for k in ("primary_tests", "secondary_tests", "p4", "seeds_used")})))
+    return out
+
+
+if __name__ == "__main__":
+    main()
