@@ -45,6 +45,10 @@ class DPPOConfig(GRPOConfig):
         ratio_cap (`float`, *optional*, defaults to `20.0`):
             C of eq. 11, the safety cap in `sg(min(π/μ, C))`. Finite and ≥ 1.
 
+        mu_kl_coef (`float`, *optional*, defaults to `0.0`):
+            τ of the μ-KL penalty `τ · (log π − log μ)²` added to every valid completion token's loss (prime-rl's
+            `kl_tau`, 1e-3 there) and aggregated like the policy term. `0.0` turns it off. Finite and ≥ 0.
+
         > Parameters that define the anchor (where μ comes from)
 
         anchor (`str`, *optional*, defaults to `"behavior"`):
@@ -103,6 +107,14 @@ class DPPOConfig(GRPOConfig):
             "help": "Safety cap C in `stopgrad(min(π/μ, C))` (eq. 11). It bounds the weight of rare tokens the engine "
             "sampled at a much lower probability than the trainer assigns. The authors ran with the cap effectively "
             "off (C = 10000); 20.0 follows TRL's removed DPPOTrainer. Must be finite and ≥ 1."
+        },
+    )
+    mu_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "τ of the μ-KL penalty τ · (log π − log μ)² on every valid completion token (A = 0 tokens "
+            "included), aggregated exactly like the policy term for each `loss_type`; prime-rl's `kl_tau` (1e-3 "
+            "there). 0.0 (default) turns it off. Must be finite and ≥ 0."
         },
     )
     anchor: str = field(
@@ -164,6 +176,10 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(
                 f"ratio_cap must be finite and ≥ 1 (got {self.ratio_cap}). To run with the cap effectively off as the "
                 "authors did, use a large finite value such as 1e4."
+            )
+        if not (math.isfinite(self.mu_kl_coef) and self.mu_kl_coef >= 0.0):
+            raise ValueError(
+                f"mu_kl_coef must be finite and ≥ 0 (got {self.mu_kl_coef}); 0.0 turns the μ-KL term off."
             )
         if self.trust_region not in TRUST_REGIONS:
             raise ValueError(

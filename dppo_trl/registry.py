@@ -33,14 +33,16 @@ class TrustRegion:
     """One selectable trust region.
 
     Attributes:
-        coefficient: `(pi_logps, mu_logps, advantages, [old_logps], **kwargs) -> w`, the detached per-token
-            coefficient of `−A · w · ∇log π`.
+        coefficient: `(pi_logps, mu_logps, advantages, [old_logps], [div], **kwargs) -> w`, the detached
+            per-token coefficient of `−A · w · ∇log π`.
         summary: one line for the docs and the config's help.
         config_fields: coefficient keyword → `DPPOConfig` field it is read from.
         fixed: coefficient keywords that are constants of this entry.
         needs_old_logps: takes π_old (the trainer's recompute of the generating weights) as `old_logps`.
         uses_top_k: accepts `pi_topk_logps`/`mu_topk_logps` (the top-K divergences); the others are sampled-token
             methods and reject `divergence='topk_*'`.
+        takes_divergence: accepts `div`, the divergence D(π, μ) of `DPPOConfig.divergence` precomputed by
+            `dppo_trl.objective.trust_region_coefficient` (computed once per loss call, also used by the metrics).
     """
 
     coefficient: Callable[..., Tensor]
@@ -49,6 +51,7 @@ class TrustRegion:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     needs_old_logps: bool = False
     uses_top_k: bool = False
+    takes_divergence: bool = False
 
     def kwargs(self, config: Any) -> dict[str, Any]:
         """Keyword arguments of `coefficient` for this config."""
@@ -62,6 +65,7 @@ TRUST_REGIONS: Mapping[str, TrustRegion] = MappingProxyType(
             "DPPO (eqs. 11-12): min(π/μ, C) · M, M masks moves away from μ with D > δ",
             {**_DPPO_FIELDS, "ratio_cap": "ratio_cap"},
             uses_top_k=True,
+            takes_divergence=True,
         ),
         "grpo_clip": TrustRegion(grpo_clip_coefficient, "GRPO/PPO ratio clip on r = π/μ, ε = `epsilon`", _CLIP_FIELDS),
         "clip_higher": TrustRegion(

@@ -21,12 +21,15 @@ aggregation, and `tests/test_trl_contract.py` pins the parent internals this rel
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import os
 import textwrap
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 from trl import GRPOTrainer
@@ -38,9 +41,17 @@ from dppo_trl.config import DPPOConfig
 from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.inputs import check_trainer_inputs
 from dppo_trl.model_card import dataset_for_card, finish_model_card
+from dppo_trl.objective import (
+    TokenView,
+    aggregate_per_token_loss,
+    mu_kl_per_token,
+    observer_record,
+    trust_region_coefficient,
+    trust_region_metrics,
+    trust_region_stats,
+)
 from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
-from dppo_trl.trust_region import binary_kl, compute_divergence
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +72,6 @@ BEHAVIOR_VALID = "dppo_behavior_valid"
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 RECOMPUTED_LOGPS = "dppo_recomputed_logps"  # π_old, kept only for the ablations that need it
-# Coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN. DPPO's own
-# coefficient is already capped at `ratio_cap`.
-_COEF_MAX = 1e6
 
 
 def parent_weight(coef: torch.Tensor, pi_logps: torch.Tensor, parent_old_logps: torch.Tensor) -> torch.Tensor:
@@ -75,12 +83,45 @@ def parent_weight(coef: torch.Tensor, pi_logps: torch.Tensor, parent_old_logps: 
 
 
 @dataclass
-class _ForwardCapture:
-    """What one `_get_per_token_logps_and_entropies` call saw: final hidden states and entropies."""
+class _SeamCall:
+    """The one explicit channel from a DPPOTrainer method into the parent seams it calls (docs/theory.md).
+
+    GRPOTrainer's `_compute_loss` computes π inside and hands it to two of its seams: the log-prob pass
+    (`_get_per_token_logps_and_entropies`) and the mask hook (`get_off_policy_mask`, a static method). A DPPOTrainer
+    method that calls into the parent opens one `_SeamCall` with `_seam_call(...)`; those seams read it through
+    `_SEAM_CALL` for the duration of that call only, and write back what they saw. Nothing outlives the call.
+
+    Attributes:
+        want_hidden: the log-prob pass keeps the final hidden states (top-K divergences).
+        inputs: loss calls only: the batch (μ, its validity, π_old, μ's top-K).
+        on_mask: loss calls only: computes the weight the mask hook returns.
+        hidden, entropies: written by the log-prob pass.
+        view, coef, divergence, mask, mu_kl: written by the mask hook (mu_kl keeps π's graph).
+    """
 
     want_hidden: bool
+    inputs: dict | None = None
+    on_mask: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     hidden: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
+    view: TokenView | None = None
+    coef: torch.Tensor | None = None
+    divergence: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    mu_kl: torch.Tensor | None = None
+
+
+_SEAM_CALL: ContextVar[_SeamCall | None] = ContextVar("dppo_seam_call", default=None)
+
+
+@contextlib.contextmanager
+def _seam_call(call: _SeamCall) -> Iterator[_SeamCall]:
+    """Make `call` visible to the parent's seams for the duration of the block (reset even on error)."""
+    token = _SEAM_CALL.set(call)
+    try:
+        yield call
+    finally:
+        _SEAM_CALL.reset(token)
 
 
 class DPPOTrainer(GRPOTrainer):
@@ -140,10 +181,8 @@ class DPPOTrainer(GRPOTrainer):
         # A non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if any)
         # still applies on top, through `self.args.off_policy_mask_threshold`.
         self.off_policy_mask_threshold = math.inf
-        # Research hooks: each is called with the per-token tensors of every loss call (see `_notify_observers`).
+        # Research hooks: each is called with the per-token tensors of every loss call (`_log_trust_region`).
         self.trust_region_observers: list = []
-        self._loss_batch: dict | None = None
-        self._forward_capture: _ForwardCapture | None = None
         self._vllm_topk: VLLMTopKCapture | None = None
         if self.use_vllm:
             self._check_vllm_server()
@@ -184,8 +223,8 @@ class DPPOTrainer(GRPOTrainer):
         return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """Parent's fused log-prob pass; while DPPO captures, also keep the final hidden states and entropies."""
-        capture = self._forward_capture
+        """Parent's fused log-prob pass; inside a DPPO call (`_seam_call`), also keep the hidden states and entropies."""
+        capture = _SEAM_CALL.get()
         if capture is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -210,33 +249,52 @@ class DPPOTrainer(GRPOTrainer):
         return result
 
     def _compute_loss(self, model, inputs):
-        """Parent's loss, with DPPO's trust region supplied through `get_off_policy_mask`."""
+        """Parent's loss, with DPPO's trust region supplied through `get_off_policy_mask`, plus the μ-KL term."""
         inputs = _with_behavior_invariants(inputs)
-        top_k_in_loss = self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs
-        self._loss_batch = inputs
-        self._forward_capture = _ForwardCapture(want_hidden=top_k_in_loss)
-        try:
+        call = _SeamCall(want_hidden=self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs, inputs=inputs)
+        call.on_mask = self._trust_region_weight
+        with _seam_call(call):
             loss = super()._compute_loss(model, inputs)
-        finally:
-            self._loss_batch = None
-            self._forward_capture = None
         mode = "train" if self.model.training else "eval"
         for key in _GRPO_CLIP_METRICS:
             self._metrics[mode].pop(key, None)
+        if call.view is None:
+            raise RuntimeError("GRPOTrainer._compute_loss did not call `get_off_policy_mask`: see trl_contract.py.")
+        if call.mu_kl is not None:
+            loss = loss + aggregate_per_token_loss(
+                call.mu_kl,
+                call.mask,
+                self.loss_type,
+                max_completion_length=self.max_completion_length,
+                num_items_in_batch=inputs.get("num_items_in_batch"),
+                num_processes=self.accelerator.num_processes,
+                gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+                steps_per_generation=self.args.steps_per_generation,
+                training=self.model.training,
+            )
+        self._log_trust_region(call, mode)
         return loss
 
-    def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
-        """DPPO's per-token weight `M · min(π/μ, C) / (π/μ)` (eqs. 11–12), times the user's OPSM mask if configured."""
-        weight = self._trust_region_weight(advantages, per_token_logps.detach(), mask)
-        if self.args.off_policy_mask_threshold is not None:
-            weight = weight * super().get_off_policy_mask(
-                advantages=advantages,
-                per_token_logps=per_token_logps,
-                sampling_per_token_logps=sampling_per_token_logps,
-                mask=mask,
-                off_policy_threshold=self.args.off_policy_mask_threshold,
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's static OPSM hook, unchanged outside a DPPO loss call.
+
+        Inside `DPPOTrainer._compute_loss` (the parent's loss calls this hook with π) it returns DPPO's per-token
+        weight `M · min(π/μ, C) / (π/μ)` (eqs. 11-12), times the user's OPSM mask if `off_policy_mask_threshold` is
+        set; the call is reached through the `_SeamCall` that `_compute_loss` opened.
+        """
+        call = _SEAM_CALL.get()
+        if call is None or call.on_mask is None:
+            return GRPOTrainer.get_off_policy_mask(
+                advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
             )
-        return weight
+        return call.on_mask(call, advantages, per_token_logps, sampling_per_token_logps, mask)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card with honest provenance and versions (`dppo_trl/model_card.py`), plus the DPPO settings."""
@@ -313,8 +371,7 @@ class DPPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].size(1)
-        self._forward_capture = capture = _ForwardCapture(want_hidden=want_topk)
-        try:
+        with _seam_call(_SeamCall(want_hidden=want_topk)) as capture:
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
@@ -322,8 +379,6 @@ class DPPOTrainer(GRPOTrainer):
                 logits_to_keep,
                 batch_size=self.args.per_device_train_batch_size,
             )
-        finally:
-            self._forward_capture = None
         if not want_topk:
             return logps, None
         k = self.args.divergence_top_k
@@ -345,59 +400,74 @@ class DPPOTrainer(GRPOTrainer):
         slot_logps[valid] = torch.cat([logps[valid].float().unsqueeze(-1), rest_logps], dim=-1)
         return logps, (ids, slot_logps)
 
-    @torch.no_grad()
-    def _trust_region_weight(self, advantages, pi_logps, mask) -> torch.Tensor:
-        """The detached weight the parent multiplies `−r·A` by, plus the DPPO metrics (Fig. 6 diagnostics)."""
-        batch = self._loss_batch
-        args = self.args
-        region = TRUST_REGIONS[args.trust_region]
-        pi_logps = pi_logps.float()
-        adv = advantages.float().expand_as(pi_logps)
-        if batch is None or BEHAVIOR_LOGPS not in batch:
-            # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
-            mu_logps, valid = pi_logps, torch.ones_like(pi_logps, dtype=torch.bool)
-        else:
-            mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
+    def _trust_region_weight(self, call, advantages, per_token_logps, sampling_per_token_logps, mask) -> torch.Tensor:
+        """The detached weight the parent multiplies `−r·A` by (`parent_weight` of `trust_region_coefficient`).
 
-        kwargs = region.kwargs(args)
-        if region.needs_old_logps:
-            # Transformers generation on-policy: the generating weights are the current ones, π_old ≡ π.
-            old = batch.get(RECOMPUTED_LOGPS) if batch is not None else None
-            kwargs["old_logps"] = pi_logps if old is None else old.float()
-        topk = None
-        if args.uses_top_k:
-            if batch is not None and BEHAVIOR_TOPK_IDS in batch:
-                topk = self._pi_topk(batch, pi_logps, mask.bool() & valid)
-                kwargs["pi_topk_logps"], kwargs["mu_topk_logps"] = topk
+        Called by the parent's mask hook, where π first appears; records the loss call's `TokenView`, coefficient
+        and divergence (and the μ-KL term, which keeps π's graph) in `call` for `_compute_loss`.
+        """
+        batch, args = call.inputs, self.args
+        with torch.no_grad():
+            pi_logps = per_token_logps.detach().float()
+            tokens = mask.bool()
+            if BEHAVIOR_LOGPS not in batch:
+                # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
+                mu_logps, valid = pi_logps, torch.ones_like(tokens)
             else:
-                # Without μ's top-K (on-policy), μ ≡ π and every divergence is 0: the binary form computes that exactly.
-                kwargs["divergence"] = args.divergence.replace("topk_", "binary_")
-        coef = region.coefficient(pi_logps, mu_logps, adv, **kwargs).float()
-        coef = torch.where(valid, coef.clamp(max=max(_COEF_MAX, args.ratio_cap)), torch.zeros_like(coef))
+                mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
+            old = batch.get(RECOMPUTED_LOGPS)
+            topk = self._pi_topk(call, pi_logps, tokens & valid) if call.want_hidden else (None, None)
+            view = TokenView(
+                pi_logps=pi_logps,
+                mu_logps=mu_logps,
+                advantages=advantages,
+                tokens=tokens,
+                valid=valid,
+                old_logps=old.float() if old is not None else None,
+                pi_topk_logps=topk[0],
+                mu_topk_logps=topk[1],
+                entropies=call.entropies,
+            )
+            coef, divergence = trust_region_coefficient(args, view)
+            parent_old = batch.get("old_per_token_logps")
+            weight = parent_weight(coef, pi_logps, pi_logps if parent_old is None else parent_old.float())
+            if args.off_policy_mask_threshold is not None:
+                weight = weight * GRPOTrainer.get_off_policy_mask(
+                    advantages=advantages,
+                    per_token_logps=per_token_logps,
+                    sampling_per_token_logps=sampling_per_token_logps,
+                    mask=mask,
+                    off_policy_threshold=args.off_policy_mask_threshold,
+                )
+        call.view, call.coef, call.divergence, call.mask = view, coef, divergence, mask
+        if args.mu_kl_coef > 0:
+            call.mu_kl = mu_kl_per_token(args, per_token_logps, mu_logps, view.counted)
+        return weight.to(per_token_logps.dtype)
 
-        parent_old = batch.get("old_per_token_logps") if batch is not None else None
-        weight = parent_weight(coef, pi_logps, pi_logps if parent_old is None else parent_old.float())
-
-        div = compute_divergence(kwargs.get("divergence", args.divergence), pi_logps, mu_logps, *(topk or ()))
-        keep = (coef > 0).float()
-        tokens = mask.bool()
-        self._log_trust_region_metrics(pi_logps, mu_logps, adv, div, keep, pi_logps - mu_logps, tokens & valid)
-        self._metrics["train" if self.model.training else "eval"]["dppo/invalid_behavior_ratio"].append(
-            self._global_ratio(tokens & ~valid, tokens)
+    def _log_trust_region(self, call: _SeamCall, mode: str) -> None:
+        """Once per loss call: hand the per-token view to `trust_region_observers`, log the `dppo/*` metrics."""
+        if self.trust_region_observers:
+            record = {
+                "completion_ids": call.inputs["completion_ids"],
+                **observer_record(call.view, call.coef, call.divergence),
+                "mode": mode,
+            }
+            for observer in self.trust_region_observers:
+                observer(record)
+        stats = trust_region_stats(self.args, call.view, call.coef, call.divergence)
+        metrics = trust_region_metrics(
+            stats,
+            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"),
+            reduce_max=lambda t: self.accelerator.gather(t).view(-1, t.numel()).max(dim=0).values,
         )
-        return weight.to(pi_logps.dtype)
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
 
-    def _global_ratio(self, numerator: torch.Tensor, denominator: torch.Tensor) -> float:
-        """sum(numerator) / sum(denominator) over every process (0 when the denominator is empty)."""
-        sums = self.accelerator.reduce(torch.stack([numerator.float().sum(), denominator.float().sum()]), "sum")
-        num, den = sums.tolist()
-        return num / den if den > 0 else 0.0
-
-    def _pi_topk(self, batch: dict, pi_logps: torch.Tensor, valid: torch.Tensor):
-        """π's log-probs at μ's TopK ∪ {y} ids, from the captured hidden states (no `[B, T, V]` logits)."""
-        capture = self._forward_capture
+    def _pi_topk(self, call: _SeamCall, pi_logps: torch.Tensor, valid: torch.Tensor):
+        """π's log-probs at μ's TopK ∪ {y} ids, from the hidden states the call captured (no `[B, T, V]` logits)."""
+        capture, batch = call, call.inputs
         ids, mu_topk = batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS].float()
-        if capture is None or capture.hidden is None:
+        if capture.hidden is None:
             raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
         weight, bias = self._lm_head_params()
         pi_topk = torch.full_like(mu_topk, -math.inf)
@@ -414,78 +484,6 @@ class DPPOTrainer(GRPOTrainer):
         # Rows outside `valid` must not leak into the divergence: give both sides identical padding.
         mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
         return pi_topk, mu_topk
-
-    def _notify_observers(self, pi_logps, mu_logps, adv, div, keep, valid) -> None:
-        """Hand the per-token view of this loss call to `trust_region_observers` (e.g. the paper's Fig. 6 analysis)."""
-        capture, batch = self._forward_capture, self._loss_batch
-        view = {
-            "completion_ids": batch["completion_ids"] if batch is not None else None,
-            "valid": valid,
-            "keep": keep,
-            "pi_logps": pi_logps,
-            "mu_logps": mu_logps,
-            "advantages": adv,
-            "divergence": div,
-            "entropies": capture.entropies.detach() if capture is not None and capture.entropies is not None else None,
-            "mode": "train" if self.model.training else "eval",
-        }
-        for observer in self.trust_region_observers:
-            observer(view)
-
-    def _log_trust_region_metrics(self, pi_logps, mu_logps, adv, div, keep, log_ratio, valid) -> None:
-        if self.trust_region_observers:
-            self._notify_observers(pi_logps, mu_logps, adv, div, keep, valid)
-        mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
-        tokens = valid.float()
-        masked = (1.0 - keep) * tokens
-        pos, neg = tokens * (adv > 0), tokens * (adv < 0)
-        pi_p, mu_p = pi_logps.exp(), mu_logps.exp()
-        ratio = torch.exp(log_ratio.clamp(max=80.0))
-        entropies = self._forward_capture.entropies if self._forward_capture is not None else None
-        sums = {
-            "tokens": tokens.sum(),
-            "masked": masked.sum(),
-            "pos": pos.sum(),
-            "masked_pos": (masked * pos).sum(),
-            "neg": neg.sum(),
-            "masked_neg": (masked * neg).sum(),
-            "div": (div * tokens).sum(),
-            "mismatch": ((pi_p - mu_p).abs() * tokens).sum(),
-            "mismatch_kl": (binary_kl(pi_logps, mu_logps) * tokens).sum(),
-            "ratio": (ratio * tokens).sum(),
-            "capped": ((log_ratio > math.log(self.args.ratio_cap)).float() * tokens).sum(),
-            "masked_mu_prob": (mu_p * masked).sum(),
-            "masked_entropy": (entropies.float() * masked).sum() if entropies is not None else tokens.new_zeros(()),
-        }
-        totals = dict(zip(sums, self.accelerator.reduce(torch.stack(list(sums.values())), reduction="sum").tolist()))
-        maxima = torch.stack(
-            [
-                torch.where(valid, div, torch.zeros_like(div)).max(),
-                torch.where(valid, (pi_p - mu_p).abs(), torch.zeros_like(div)).max(),
-                torch.where(valid, ratio, torch.zeros_like(div)).max(),
-            ]
-        )
-        div_max, mismatch_max, ratio_max = self.accelerator.gather(maxima).view(-1, 3).max(dim=0).values.tolist()
-
-        def ratio_of(num: str, den: str) -> float:
-            return totals[num] / totals[den] if totals[den] > 0 else 0.0
-
-        metrics["dppo/mask_ratio"].append(ratio_of("masked", "tokens"))
-        metrics["dppo/mask_ratio_pos_adv"].append(ratio_of("masked_pos", "pos"))
-        metrics["dppo/mask_ratio_neg_adv"].append(ratio_of("masked_neg", "neg"))
-        metrics["dppo/divergence_mean"].append(ratio_of("div", "tokens"))
-        metrics["dppo/divergence_max"].append(div_max)
-        metrics["dppo/mismatch_abs_mean"].append(ratio_of("mismatch", "tokens"))
-        metrics["dppo/mismatch_abs_max"].append(mismatch_max)
-        metrics["dppo/mismatch_kl_mean"].append(ratio_of("mismatch_kl", "tokens"))
-        metrics["dppo/ratio_mean"].append(ratio_of("ratio", "tokens"))
-        metrics["dppo/ratio_max"].append(ratio_max)
-        metrics["dppo/ratio_capped_frac"].append(ratio_of("capped", "tokens"))
-        if totals["masked"] > 0:
-            metrics["dppo/masked_mu_prob_mean"].append(ratio_of("masked_mu_prob", "masked"))
-            if entropies is not None:
-                metrics["dppo/masked_entropy_mean"].append(ratio_of("masked_entropy", "masked"))
 
     def _lm_head_params(self):
         head = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).get_output_embeddings()

@@ -35,6 +35,12 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("self", "model", "trial"),
 }
 
+# Of those, the static methods: DPPOTrainer keeps them static with the same signature, and called on the class (outside
+# a DPPO loss call) they are TRL's own. `get_off_policy_mask` is the seam the DPPO weight goes through: the parent's
+# `_compute_loss` calls it as `self.get_off_policy_mask(...)` with π, and DPPOTrainer's static wrapper returns the DPPO
+# weight only inside the `_SeamCall` its `_compute_loss` opened (dppo_trl/trainer.py).
+STATIC_METHODS = ("get_off_policy_mask",)
+
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
 TRAINER_ATTRIBUTES = (
     "epsilon_low",
@@ -46,6 +52,9 @@ TRAINER_ATTRIBUTES = (
     "temperature",
     "accelerator",
     "model",
+    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.objective.aggregate_per_token_loss)
+    "max_completion_length",
+    "current_gradient_accumulation_steps",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
 

@@ -4,7 +4,11 @@ Learning*, arXiv 2602.04879, eqs. 11-16). Everything DPPO changes with respect t
 - eq. 11, the objective: `dppo_coefficient` — per completion token, `loss_t = −A_t · sg(w_t) · log π(y_t)` with
   `w_t = min(π/μ, C) · M_t`;
 - eq. 12, the trust-region mask M_t: `trust_region_mask`;
-- eqs. 13-16, the divergence D: `binary_tv`, `binary_kl`, `topk_tv`, `topk_kl` (dispatch: `compute_divergence`).
+- eqs. 13-16, the divergence D: `binary_tv`, `binary_kl`, `topk_tv`, `topk_kl` (dispatch: `compute_divergence`);
+- the optional μ-KL penalty `τ · (log π − log μ)²` that prime-rl pairs with DPPO: `mu_kl_penalty`.
+
+How a loss call assembles these (D computed once, shared by the coefficient, the metrics and the observers) is
+`dppo_trl.objective`.
 
 Vocabulary (docs/theory.md): π the trainer policy, μ the behavior policy (the rollout engine's log-probs when it
 sampled), A the advantage, δ the thresholds, C the ratio cap. Every input is a log-probability (`*_logps`):
@@ -242,6 +246,7 @@ def dppo_coefficient(
     ratio_cap: float = math.inf,
     pi_topk_logps: Tensor | None = None,
     mu_topk_logps: Tensor | None = None,
+    div: Tensor | None = None,
 ) -> Tensor:
     """Eq. 11. DPPO's per-token loss is
 
@@ -254,9 +259,32 @@ def dppo_coefficient(
     μ is the behavior policy itself (the engine that sampled) in both the ratio and the mask, never a recomputed
     π_old. δ defaults to the authors' values (0.15 TV, 0.05 KL); C defaults to no cap (the authors ran with 1e4).
     Every baseline trust region in `dppo_trl.baselines` returns a coefficient of the same form.
+
+    `div`, when given, is D(π, μ) of `divergence` already computed by the caller (`dppo_trl.objective` computes it
+    once per loss call for the mask, the metrics and the observers); the top-K tensors are then not needed.
     """
     delta_low = default_delta(divergence) if delta_low is None else delta_low
     delta_high = default_delta(divergence) if delta_high is None else delta_high
-    div = compute_divergence(divergence, pi_logps, mu_logps, pi_topk_logps, mu_topk_logps)
+    if div is None:
+        div = compute_divergence(divergence, pi_logps, mu_logps, pi_topk_logps, mu_topk_logps)
     keep = trust_region_mask(pi_logps, mu_logps, advantages, div, delta_low, delta_high)
     return ratio_coefficient(pi_logps, mu_logps, ratio_cap) * keep.to(div.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The μ-KL penalty (prime-rl's `kl_tau`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def mu_kl_penalty(pi_logps: Tensor, mu_logps: Tensor, coef: float) -> Tensor:
+    """Per-token penalty `τ · (log π(y_t) − log μ(y_t))²` pulling π back toward the behavior policy μ.
+
+    prime-rl adds it next to its DPPO-style mask (`kl_tau`, default 1e-3 there). Its gradient is
+    `2τ · (log π − log μ) · ∇log π`, whatever the advantage: unlike the trust-region coefficient it also acts on
+    A = 0 tokens, so it is an additive term of the per-token loss, not part of `−A · w`. Keeps `pi_logps`' graph;
+    μ is detached. Computed in float32 (float64 for float64 inputs); NaN μ gives NaN (callers select valid tokens
+    with `torch.where`, never by multiplying).
+    """
+    dtype = _compute_dtype(pi_logps, mu_logps)
+    log_ratio = pi_logps.to(dtype) - mu_logps.detach().to(dtype)
+    return coef * log_ratio.square()

@@ -276,3 +276,45 @@ def test_tool_mask_tokens_carry_no_gradient(tiny_model_dir, tokenizer, tmp_path)
     for name, param in model.named_parameters():
         if param.grad is not None:
             _assert_grad_close(got[name], param.grad, name)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "luspo"])
+def test_mu_kl_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path, loss_type):
+    """`mu_kl_coef = τ` adds τ · (log π − log μ)² on every valid completion token — A = 0 tokens included —
+    aggregated like the policy term: the gradient equals the literal eq.-11 loss plus that term, per aggregation."""
+    tau, delta_low, delta_high, cap = 0.1, 0.02, 0.001, 2.0
+    trainer = _trainer(
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        loss_type=loss_type,
+        delta_low=delta_low,
+        delta_high=delta_high,
+        ratio_cap=cap,
+        mu_kl_coef=tau,
+    )
+    model = trainer.model
+    inputs, ids, attn, mu, valid = _crafted_batch(model, torch.Generator().manual_seed(4))
+    adv = ADVANTAGES.clone()
+    adv[1] = 0.0  # a whole sequence with A = 0: only the μ-KL term moves it
+    inputs["advantages"] = adv
+
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.isfinite(loss)
+    assert trainer._metrics["train"]["dppo/mu_kl_mean"][-1] > 0
+
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    div = compute_divergence("binary_tv", pi.detach(), mu)
+    keep = trust_region_mask(pi.detach(), mu, adv.unsqueeze(1), div, delta_low, delta_high) * valid
+    mu_kl = torch.where(valid, tau * (pi - mu) ** 2, torch.zeros_like(pi))
+    per_token = dppo_per_token_loss(pi, mu, adv.unsqueeze(1), keep, cap) + mu_kl
+    _aggregate(per_token, inputs["completion_mask"].float(), loss_type, COMPLETION_LEN).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for name in want:
+        _assert_grad_close(got[name], want[name], name)

@@ -27,8 +27,11 @@ def test_overridden_methods_exist_with_expected_parameters(name):
     expected = trl_contract.OVERRIDDEN_METHODS[name]
     assert params[: len(expected)] == list(expected), f"GRPOTrainer.{name} signature changed: {params}"
     assert name in DPPOTrainer.__dict__, f"DPPOTrainer no longer overrides {name}: update trl_contract.py"
-    if name == "get_off_policy_mask":
-        assert isinstance(parent, staticmethod), "get_off_policy_mask is no longer a staticmethod"
+    if name in trl_contract.STATIC_METHODS:
+        assert isinstance(parent, staticmethod), f"GRPOTrainer.{name} is no longer a staticmethod"
+        assert isinstance(inspect.getattr_static(DPPOTrainer, name), staticmethod), (
+            f"DPPOTrainer.{name} must stay static"
+        )
 
 
 def test_dppo_overrides_only_the_listed_seams():
@@ -99,6 +102,7 @@ def test_config_fields_exist():
         "delta_high",
         "divergence_top_k",
         "ratio_cap",
+        "mu_kl_coef",
         "anchor",
         "trust_region",
         "relax_alpha",
@@ -108,7 +112,7 @@ def test_config_fields_exist():
 def test_trainer_attributes_are_set_by_grpo_init():
     source = inspect.getsource(GRPOTrainer.__init__)
     for attr in trl_contract.TRAINER_ATTRIBUTES + trl_contract.VLLM_TRAINER_ATTRIBUTES:
-        if attr in ("accelerator", "model", "_metrics"):
+        if attr in ("accelerator", "model", "_metrics", "current_gradient_accumulation_steps"):
             continue  # set by transformers.Trainer / checked at run time by the trainer tests
         assert f"self.{attr} =" in source, f"GRPOTrainer.__init__ no longer sets self.{attr}"
 
@@ -203,3 +207,28 @@ def test_vllm_server_mode_contract():
     assert params == list(trl_contract.VLLM_RELOAD_PARAMS)
     # The security note in docs/recipes.md says the API key does not guard the dev endpoints; re-check if this changes.
     assert tuple(GUARDED_PREFIX) == trl_contract.VLLM_API_KEY_GUARDED_PREFIXES
+
+
+def test_get_off_policy_mask_called_on_the_class_is_trls():
+    """Outside a DPPO loss call, `DPPOTrainer.get_off_policy_mask` is TRL's static OPSM hook: same signature, same
+    values (issue 22: an instance method there broke callers that use it on the class)."""
+    generator = torch.Generator().manual_seed(0)
+    logps = -torch.rand(4, 5, generator=generator) * 3
+    sampling = logps + torch.randn(4, 5, generator=generator)
+    sampling[1, 2] = float("nan")
+    mask = torch.ones(4, 5)
+    mask[2, 3:] = 0
+    advantages = torch.tensor([[1.0], [-1.0], [-0.5], [0.0]])
+    ours, trls = (inspect.signature(c.get_off_policy_mask).parameters for c in (DPPOTrainer, GRPOTrainer))
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [(p.name, p.kind, p.default) for p in trls.values()]
+    for threshold in (0.0, 0.1, 1.0, 10.0):
+        kwargs = dict(
+            advantages=advantages,
+            per_token_logps=logps,
+            sampling_per_token_logps=sampling,
+            mask=mask,
+            off_policy_threshold=threshold,
+        )
+        want = GRPOTrainer.get_off_policy_mask(**kwargs)
+        assert torch.equal(DPPOTrainer.get_off_policy_mask(**kwargs), want)
+        assert torch.equal(DPPOTrainer.get_off_policy_mask(*kwargs.values()), want)  # positional, as TRL's
