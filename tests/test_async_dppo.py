@@ -359,7 +359,9 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     assert all(entry.get("dppo/staleness_0/mask_ratio", 0.0) == 0.0 for entry in logs)
     assert max(entry["dppo/mask_ratio"] for entry in logs) > 0.0
     # Weights reach the server: after training (the last step syncs), the server's log-probs are the trained model's.
-    prompt_ids = trainer.processing_class.apply_chat_template(_dataset()[0]["prompt"], add_generation_prompt=True)
+    prompt_ids = trainer.processing_class.apply_chat_template(
+        _dataset()[0]["prompt"], add_generation_prompt=True, return_dict=False
+    )
     token_ids, server_logps = _server_logps(server_url, prompt_ids, 6)
     pi = _policy_logps(trainer.model, prompt_ids, token_ids)
     assert (pi - torch.tensor(server_logps)).abs().max().item() < FRESH_MISMATCH
@@ -377,3 +379,22 @@ def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
     assert len(logs) == 2
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
     assert recorder.calls and all(torch.isfinite(pi).all() for pi, _, _ in recorder.calls)
+
+
+def test_async_recipe_parses_into_the_config(tmp_path):
+    """The GPU recipe's options are all fields of the script's arguments or of AsyncDPPOConfig, and validate."""
+    import yaml
+
+    from dppo_trl import AsyncDPPOConfig
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_dapo_math_async import AsyncScriptArguments
+
+    with open(os.path.join(ROOT, "examples", "recipes", "qwen3_1.7b_base_dapo_math_async.yaml")) as f:
+        recipe = yaml.safe_load(f)
+    script_fields = set(AsyncScriptArguments.__dataclass_fields__)
+    config_values = {k: v for k, v in recipe.items() if k not in script_fields}
+    assert set(config_values) <= set(AsyncDPPOConfig.__dataclass_fields__)
+    config_values.update(output_dir=str(tmp_path), bf16=False, use_cpu=True)
+    config = AsyncDPPOConfig(**config_values)
+    assert (config.divergence, config.max_staleness, config.mu_kl_coef) == ("binary_tv", 4, 0.001)
