@@ -90,6 +90,9 @@ def start_cpu_server(model: str, log_path: str, timeout: float = 900.0) -> tuple
     port = _free_port()
     command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", model, "--port", str(port)]
     command += ["--max-model-len", "512"]
+    # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
+    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.
+    command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("VLLM_API_KEY", None)  # TRL's rollout worker sends no key
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

