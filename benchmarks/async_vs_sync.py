@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -160,6 +161,8 @@ def main() -> int:
     parser.add_argument("--delta", type=float, default=0.15, help="δ_low = δ_high (binary TV)")
     parser.add_argument("--variants", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     args = parser.parse_args()
+    # A SIGTERM (a timeout) unwinds through the `finally` blocks, so the server and its engine are stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     report = {
         "benchmark": "async_vs_sync",
