@@ -12,11 +12,11 @@ tiny Qwen3 on a free port, trains it on the bundled tiny math set, stops the ser
 
 ```bash
 python examples/train_dapo_math_async.py
-# GPU: server on its own GPUs (see examples/recipes/qwen3_1.7b_base_dapo_math_async.yaml), trainer on the others
+# GPU: server on its own GPUs (see examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml), trainer on the others
 CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B-Base --logprobs-mode processed_logprobs \
     --weight-transfer-config '{"backend":"nccl"}' --port 8000 &
 CUDA_VISIBLE_DEVICES=1 python examples/train_dapo_math_async.py \
-    --config examples/recipes/qwen3_1.7b_base_dapo_math_async.yaml
+    --config examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml
 ```
 """
 

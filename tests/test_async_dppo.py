@@ -393,7 +393,7 @@ def test_async_recipe_parses_into_the_config(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from train_dapo_math_async import AsyncScriptArguments
 
-    with open(os.path.join(ROOT, "examples", "recipes", "qwen3_1.7b_base_dapo_math_async.yaml")) as f:
+    with open(os.path.join(ROOT, "examples", "recipes", "async", "qwen3_1.7b_base_dapo_math_async.yaml")) as f:
         recipe = yaml.safe_load(f)
     script_fields = set(AsyncScriptArguments.__dataclass_fields__)
     config_values = {k: v for k, v in recipe.items() if k not in script_fields}

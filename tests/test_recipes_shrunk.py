@@ -35,8 +35,6 @@ SHRUNK_RECIPES = {
 NOT_RUN_HERE = {
     "qwen3_8b_base_dapo_math_server.yaml": "covered by tests/test_vllm_server.py (needs the server launcher)",
     "tiny_math_cpu.yaml": "the CPU default (no arguments); covered by tests/test_dapo_example.py",
-    "qwen3_1.7b_base_dapo_math_async.yaml": "asynchronous (examples/train_dapo_math_async.py); parsed into "
-    "AsyncDPPOConfig by tests/test_async_dppo.py, end-to-end async training is covered there with the tiny model",
 }
 
 # What a CPU cannot run, and why. Applied only where a recipe sets the key to something else.
