@@ -13,6 +13,10 @@ functions with explicit per-call inputs and differ only in how they reach their 
    `trust_region_metrics`, and `observer_record` for `trust_region_observers`.
 
 The math itself lives in `dppo_trl.trust_region` (eqs. 11-16 and the μ-KL penalty) and `dppo_trl.baselines`.
+
+Relative to the API first agreed for this module: `trust_region_stats` takes a keyword `max_staleness` (every process
+must use the same staleness buckets); added are `TokenView.counted`, `effective_divergence`, `mu_kl_per_token`,
+`aggregate_per_token_loss`, `observer_record` and `COEF_MAX`.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ _LOG_RATIO_METRIC_MAX = 80.0
 class TokenView:
     """One loss call's per-token tensors, all `(B, T)` unless noted, detached, any float dtype.
 
+    Every function here is element-wise over tokens, so any common shape works, e.g. the packed `(N,)` token lists
+    of TRL's asynchronous trainer (then `advantages` and `staleness` are `(N,)` too); only
+    `aggregate_per_token_loss` needs `(B, T)`.
+
     Attributes:
         pi_logps: log π(y_t) of the current policy.
         mu_logps: log μ(y_t), already sanitised (`dppo_trl.behavior.sanitize_behavior_logps`: finite where valid).
-        advantages: A, broadcastable to `(B, T)` (`(B, 1)` for sequence advantages).
+        advantages: A, `(B, T)`, `(B, 1)` or `(B,)` (one value per sequence).
         tokens: bool, the completion tokens the loss counts (`completion_mask * tool_mask`).
         valid: bool, μ is valid at that token (the engine reported a finite log-prob).
         old_logps: π_old (the trainer's recompute), only for registry entries with `needs_old_logps`.
@@ -69,6 +77,12 @@ class TokenView:
         return self.tokens.bool() & self.valid.bool()
 
 
+def _per_token_advantages(view: TokenView, like: Tensor) -> Tensor:
+    """A in the tokens' shape, float32: `(B,)` sequence advantages of `(B, T)` tokens are one value per row."""
+    adv = view.advantages.detach().float()
+    return (adv.unsqueeze(-1) if adv.dim() == 1 and like.dim() == 2 else adv).expand_as(like)
+
+
 def effective_divergence(args: Any, view: TokenView) -> str:
     """The divergence a loss call computes: `args.divergence`, or its binary form when a top-K divergence has no
     top-K tensors (on-policy, μ ≡ π: both forms give D = 0 exactly)."""
@@ -89,16 +103,9 @@ def trust_region_coefficient(args: Any, view: TokenView) -> tuple[Tensor, Tensor
     region = TRUST_REGIONS[args.trust_region]
     pi = view.pi_logps.detach().float()
     mu = view.mu_logps.detach().float()
-    adv = view.advantages.detach().float().expand_as(pi)
+    adv = _per_token_advantages(view, pi)
     name = effective_divergence(args, view)
-    topk = (
-        ()
-        if name != args.divergence or not args.divergence.startswith("topk_")
-        else (
-            view.pi_topk_logps.float(),
-            view.mu_topk_logps.float(),
-        )
-    )
+    topk = (view.pi_topk_logps.float(), view.mu_topk_logps.float()) if name.startswith("topk_") else ()
     divergence = compute_divergence(name, pi, mu, *topk).float()
 
     kwargs = region.kwargs(args)
@@ -171,8 +178,8 @@ def aggregate_per_token_loss(
 
 def _bucket(staleness: Tensor, shape: torch.Size) -> Tensor:
     staleness = staleness.long()
-    if staleness.dim() == 1:
-        staleness = staleness.unsqueeze(-1)
+    if staleness.dim() == 1 and len(shape) == 2:
+        staleness = staleness.unsqueeze(-1)  # one value per sequence
     return staleness.expand(shape)
 
 
@@ -193,7 +200,7 @@ def trust_region_stats(
     """
     pi = view.pi_logps.detach().float()
     mu = view.mu_logps.detach().float()
-    adv = view.advantages.detach().float().expand_as(pi)
+    adv = _per_token_advantages(view, pi)
     counted = view.counted
     tokens = counted.float()
     zero = torch.zeros_like(pi)
@@ -304,7 +311,7 @@ def observer_record(view: TokenView, coef: Tensor, divergence: Tensor) -> dict[s
         "keep": (coef > 0).float(),
         "pi_logps": pi,
         "mu_logps": view.mu_logps.detach().float(),
-        "advantages": view.advantages.detach().float().expand_as(pi),
+        "advantages": _per_token_advantages(view, pi),
         "divergence": divergence,
         "entropies": view.entropies.detach() if view.entropies is not None else None,
         "staleness": view.staleness,

@@ -12,6 +12,9 @@ GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`lusp
 1. writes μ (the engine's log-probs, not a recompute) into `old_per_token_logps` (`_generate_and_score_completions`);
 2. opens the clip (`ε_low = 1`, `ε_high = ∞`), so the term is `−r·A·m`;
 3. returns `m = w / r` from `get_off_policy_mask` (`parent_weight`), so the parent's term has gradient `−A·w·∇log π`.
+   The hook stays TRL's static method (TRL's OPSM outside a DPPO loss call); the batch reaches it through the one
+   per-call channel `_seam_call` (docs/theory.md). Every DPPO quantity (the view, `w`, D, the metrics, the observers'
+   view, the μ-KL term) comes from `dppo_trl.objective`, the core the asynchronous trainer shares.
 
 Every other part of the parent's loss — the aggregation (`loss_type`), β-KL against the reference, the entropy
 bonus, the entropy mask, the MoE router aux loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own.

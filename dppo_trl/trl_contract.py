@@ -68,6 +68,17 @@ COMPUTE_LOSS_FRAGMENTS = (
     "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
     "if advantages.dim() == 1:",
 )
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.objective.aggregate_per_token_loss` reproduces for the
+# μ-KL term (behaviourally pinned by tests/test_mu_kl.py with one process; these pin the multi-process scaling too).
+LOSS_AGGREGATION_FRAGMENTS = (
+    "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+    "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+    "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
+    'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+    "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+    "loss = (per_token_loss * mask).sum(-1).mean()",
+    'normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0',
+)
 # `_get_per_token_logps_and_entropies` returns `(logps, entropies, aux_loss)`.
 PER_TOKEN_LOGPS_ARITY = 3
 # It calls the model with the fused LM head, whose backbone output DPPOTrainer hooks for the final hidden states.

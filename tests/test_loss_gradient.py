@@ -318,3 +318,31 @@ def test_mu_kl_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path,
     assert set(got) == set(want)
     for name in want:
         _assert_grad_close(got[name], want[name], name)
+
+
+def test_loss_call_channel_is_scoped_and_metrics_are_logged_once(tiny_model_dir, tokenizer, tmp_path):
+    """One loss call: one set of `dppo/*` metrics, one observer call; the per-call channel is gone afterwards, also
+    after a failing call, and the instance's `get_off_policy_mask` is TRL's again."""
+    from trl import GRPOTrainer
+
+    from dppo_trl.trainer import _SEAM_CALL
+
+    trainer = _trainer(tiny_model_dir, tokenizer, tmp_path)
+    model = trainer.model
+    inputs, *_ = _crafted_batch(model, torch.Generator().manual_seed(5))
+    seen = []
+    trainer.trust_region_observers.append(seen.append)
+    trainer._compute_loss(model, inputs)
+    assert len(seen) == 1 and len(trainer._metrics["train"]["dppo/mask_ratio"]) == 1
+    assert _SEAM_CALL.get() is None
+    with pytest.raises(KeyError):
+        trainer._compute_loss(model, {k: v for k, v in inputs.items() if k != "advantages"})
+    assert _SEAM_CALL.get() is None
+    args = (
+        ADVANTAGES.unsqueeze(1),
+        inputs[BEHAVIOR_LOGPS],
+        inputs[BEHAVIOR_LOGPS] - 1.0,
+        inputs["completion_mask"],
+        0.5,
+    )
+    assert torch.equal(trainer.get_off_policy_mask(*args), GRPOTrainer.get_off_policy_mask(*args))

@@ -266,3 +266,39 @@ def test_aggregation_matches_the_written_normalisers(loss_type, training):
         "luspo": sum(sum(per_token[b, t].item() for t in range(5) if mask[b, t]) for b in range(3)) / 3 / gas,
     }[loss_type]
     assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_sequence_advantages_of_shape_b_are_one_value_per_row():
+    view = _view(seed=8)
+    flat = TokenView(**{**view.__dict__, "advantages": view.advantages.squeeze(1)})
+    args = _args()
+    assert all(
+        torch.equal(a, b) for a, b in zip(trust_region_coefficient(args, view), trust_region_coefficient(args, flat))
+    )
+    coef, div = trust_region_coefficient(args, view)
+    assert trust_region_stats(args, flat, coef, div).keys() == trust_region_stats(args, view, coef, div).keys()
+    assert torch.equal(observer_record(flat, coef, div)["advantages"], observer_record(view, coef, div)["advantages"])
+
+
+def test_packed_token_lists_give_the_same_metrics():
+    """The asynchronous trainer packs tokens as flat `(N,)` lists: the core is element-wise, so flattening the
+    counted tokens (with per-token advantages and staleness) gives the same coefficient and metrics."""
+    args = _args(mu_kl_coef=1e-3)
+    view = _view(seed=9, staleness=torch.tensor([0, 1, 2, 1]))
+    coef, div = trust_region_coefficient(args, view)
+    keep = view.tokens
+    packed = TokenView(
+        pi_logps=view.pi_logps[keep],
+        mu_logps=view.mu_logps[keep],
+        advantages=view.advantages.expand(4, 7)[keep],
+        tokens=torch.ones(int(keep.sum()), dtype=torch.bool),
+        valid=view.valid[keep],
+        staleness=view.staleness.unsqueeze(1).expand(4, 7)[keep],
+    )
+    packed_coef, packed_div = trust_region_coefficient(args, packed)
+    assert torch.equal(packed_coef, coef[keep]) and torch.equal(packed_div, div[keep])
+    got = trust_region_metrics(
+        trust_region_stats(args, packed, packed_coef, packed_div, max_staleness=2), _identity, _identity
+    )
+    want = trust_region_metrics(trust_region_stats(args, view, coef, div, max_staleness=2), _identity, _identity)
+    _assert_metrics_close(got, want)

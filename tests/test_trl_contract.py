@@ -49,6 +49,12 @@ def test_compute_loss_source_keeps_the_composition_points():
         assert fragment in source, f"GRPOTrainer._compute_loss changed: missing {fragment!r}"
 
 
+def test_compute_loss_source_keeps_the_aggregation_the_mu_kl_term_reproduces():
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    for fragment in trl_contract.LOSS_AGGREGATION_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer._compute_loss aggregation changed: missing {fragment!r}"
+
+
 def test_per_token_logps_pass_uses_fused_head_and_returns_three_values():
     source = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
     for fragment in trl_contract.PER_TOKEN_LOGPS_FRAGMENTS:
