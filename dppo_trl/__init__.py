@@ -1,12 +1,12 @@
 """DPPO (Divergence Proximal Policy Optimization) for Hugging Face TRL.
 
-`DPPOConfig` and `DPPOTrainer` are imported lazily so the pure-tensor modules (`dppo_trl.trust_region`, ...) load
+`DPPOConfig`, `DPPOTrainer` and the asynchronous `AsyncDPPOConfig`/`AsyncDPPOTrainer` are imported lazily so the pure-tensor modules (`dppo_trl.trust_region`, ...) load
 without importing TRL.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["DPPOConfig", "DPPOTrainer", "__version__"]
+__all__ = ["AsyncDPPOConfig", "AsyncDPPOTrainer", "DPPOConfig", "DPPOTrainer", "__version__"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,10 @@ def __getattr__(name: str):
         from dppo_trl.trainer import DPPOTrainer
 
         return DPPOTrainer
+    if name in ("AsyncDPPOConfig", "AsyncDPPOTrainer"):
+        # TRL's experimental asynchronous trainer: imported only when asked for (set TRL_EXPERIMENTAL_SILENCE=1 to
+        # silence TRL's experimental-API warning).
+        from dppo_trl import async_trainer
+
+        return getattr(async_trainer, name)
     raise AttributeError(f"module 'dppo_trl' has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -19,6 +20,56 @@ VLLM_COLOCATE_MAX_LOGPROBS = 20
 # only warns; with DPPO's per-token term that is the authors' seq-mean-token-sum, which the GPU recipes use.
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
+
+
+def validate_trust_region_fields(config: Any) -> None:
+    """Validate the trust-region fields shared by `DPPOConfig` and `AsyncDPPOConfig` (`divergence`, `delta_low`,
+    `delta_high`, `divergence_top_k`, `ratio_cap`, `mu_kl_coef`, `trust_region`, `relax_alpha`) and warn about
+    sampling options that bias μ. Each config adds the checks specific to its parent trainer."""
+    if config.divergence not in DIVERGENCES:
+        raise ValueError(f"divergence={config.divergence!r} is not supported; choose one of {list(DIVERGENCES)}.")
+    for name in ("delta_low", "delta_high"):
+        value = getattr(config, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number > 0 (got {value}); `None` picks the authors' value.")
+    if not (math.isfinite(config.ratio_cap) and config.ratio_cap >= 1.0):
+        raise ValueError(
+            f"ratio_cap must be finite and ≥ 1 (got {config.ratio_cap}). To run with the cap effectively off as the "
+            "authors did, use a large finite value such as 1e4."
+        )
+    if not (math.isfinite(config.mu_kl_coef) and config.mu_kl_coef >= 0.0):
+        raise ValueError(f"mu_kl_coef must be finite and ≥ 0 (got {config.mu_kl_coef}); 0.0 turns the μ-KL term off.")
+    if config.trust_region not in TRUST_REGIONS:
+        raise ValueError(
+            f"trust_region={config.trust_region!r} is not supported; choose one of {list(TRUST_REGIONS)}."
+        )
+    if not TRUST_REGIONS[config.trust_region].uses_top_k and config.divergence.startswith("topk_"):
+        raise ValueError(
+            f"trust_region={config.trust_region!r} is a sampled-token baseline; it does not use μ's top-K. Use "
+            "divergence='binary_tv' or 'binary_kl' with it."
+        )
+    if not 0.0 < config.relax_alpha <= 1.0:
+        raise ValueError(f"relax_alpha must be in (0, 1], got {config.relax_alpha}.")
+    if config.divergence.startswith("topk_") and config.divergence_top_k < 1:
+        raise ValueError(f"divergence_top_k must be ≥ 1 for divergence={config.divergence!r}.")
+    if config.top_p < 1.0 or config.top_k > 0 or (config.min_p or 0.0) > 0.0 or config.repetition_penalty != 1.0:
+        warnings.warn(
+            f"Sampling with top_p={config.top_p}, top_k={config.top_k}, min_p={config.min_p}, "
+            f"repetition_penalty={config.repetition_penalty} truncates or reshapes the engine's distribution, so its "
+            "log-probs μ are renormalised over the kept tokens while π is the full softmax: π/μ and |π−μ| are "
+            "biased and the trust region masks the wrong tokens. Keep top_p=1.0, top_k=0, min_p=0 and "
+            "repetition_penalty=1.0 for DPPO (see docs/theory.md).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def resolve_default_deltas(config: Any) -> None:
+    """Fill `delta_low`/`delta_high` left at `None` with the authors' value for `config.divergence`."""
+    if config.delta_low is None:
+        config.delta_low = default_delta(config.divergence)
+    if config.delta_high is None:
+        config.delta_high = default_delta(config.divergence)
 
 
 @dataclass
@@ -158,10 +209,7 @@ class DPPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         self._validate_dppo()
-        if self.delta_low is None:
-            self.delta_low = default_delta(self.divergence)
-        if self.delta_high is None:
-            self.delta_high = default_delta(self.divergence)
+        resolve_default_deltas(self)
 
     @property
     def uses_top_k(self) -> bool:
@@ -169,37 +217,10 @@ class DPPOConfig(GRPOConfig):
         return self.divergence.startswith("topk_")
 
     def _validate_dppo(self) -> None:
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence={self.divergence!r} is not supported; choose one of {list(DIVERGENCES)}.")
-        for name in ("delta_low", "delta_high"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a finite number > 0 (got {value}); `None` picks the authors' value.")
-        if not (math.isfinite(self.ratio_cap) and self.ratio_cap >= 1.0):
-            raise ValueError(
-                f"ratio_cap must be finite and ≥ 1 (got {self.ratio_cap}). To run with the cap effectively off as the "
-                "authors did, use a large finite value such as 1e4."
-            )
-        if not (math.isfinite(self.mu_kl_coef) and self.mu_kl_coef >= 0.0):
-            raise ValueError(
-                f"mu_kl_coef must be finite and ≥ 0 (got {self.mu_kl_coef}); 0.0 turns the μ-KL term off."
-            )
-        if self.trust_region not in TRUST_REGIONS:
-            raise ValueError(
-                f"trust_region={self.trust_region!r} is not supported; choose one of {list(TRUST_REGIONS)}."
-            )
-        if not TRUST_REGIONS[self.trust_region].uses_top_k and self.uses_top_k:
-            raise ValueError(
-                f"trust_region={self.trust_region!r} is a sampled-token baseline; it does not use μ's top-K. Use "
-                "divergence='binary_tv' or 'binary_kl' with it."
-            )
-        if not 0.0 < self.relax_alpha <= 1.0:
-            raise ValueError(f"relax_alpha must be in (0, 1], got {self.relax_alpha}.")
+        validate_trust_region_fields(self)
         if self.anchor not in ANCHORS:
             raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
         if self.uses_top_k:
-            if self.divergence_top_k < 1:
-                raise ValueError(f"divergence_top_k must be ≥ 1 for divergence={self.divergence!r}.")
             if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(
                     f"divergence_top_k={self.divergence_top_k} exceeds vLLM's `max_logprobs` "
@@ -244,16 +265,6 @@ class DPPOConfig(GRPOConfig):
                 "anchor='recompute' anchors the trust region on the trainer's recomputed π_old instead of the engine's "
                 "μ. It is an ablation: the paper (§5.2) shows it collapses under train–inference mismatch, and it "
                 "costs an extra forward pass per generation batch. Use anchor='behavior' for training.",
-                UserWarning,
-                stacklevel=3,
-            )
-        if self.top_p < 1.0 or self.top_k > 0 or (self.min_p or 0.0) > 0.0 or self.repetition_penalty != 1.0:
-            warnings.warn(
-                f"Sampling with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}, "
-                f"repetition_penalty={self.repetition_penalty} truncates or reshapes the engine's distribution, so its "
-                "log-probs μ are renormalised over the kept tokens while π is the full softmax: π/μ and |π−μ| are "
-                "biased and the trust region masks the wrong tokens. Keep top_p=1.0, top_k=0, min_p=0 and "
-                "repetition_penalty=1.0 for DPPO (see docs/theory.md).",
                 UserWarning,
                 stacklevel=3,
             )

