@@ -38,9 +38,16 @@ from dppo_trl.config import DPPOConfig
 from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.inputs import check_trainer_inputs
 from dppo_trl.model_card import dataset_for_card, finish_model_card
+from dppo_trl.preemption import raise_if_preempted, record_jit_checkpoints
 from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 from dppo_trl.trust_region import binary_kl, compute_divergence
+from dppo_trl.vllm_cpu import (
+    bind_colocate_weight_sync,
+    cpu_colocate_threads,
+    trainer_construction_patches,
+    trainer_cpu_threads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,19 +128,14 @@ class DPPOTrainer(GRPOTrainer):
         _validate_trainer_inputs(config, params)
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
-        if config.use_vllm and config.vllm_mode == "colocate":
-            from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
-
-            if is_vllm_cpu_platform():
-                patch_trl_vllm_for_cpu()
-        if config.use_vllm and config.vllm_mode == "server":
-            # TRL's client, plus a file-based weight sync picked when the trainer's device is the CPU (NCCL otherwise).
-            from dppo_trl.vllm_cpu import patch_trl_vllm_server_for_cpu
-
-            patch_trl_vllm_server_for_cpu()
-
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
+        # client with a file-based weight sync when the trainer's device is the CPU), then restored.
+        with trainer_construction_patches(config.use_vllm, config.vllm_mode):
+            super().__init__(*bound.args[1:], **bound.kwargs)
+        if self.use_vllm:
+            bind_colocate_weight_sync(self.vllm_generation)  # vLLM CPU colocate: on this trainer's instance only
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
+        self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
 
         # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
         self.epsilon_low, self.epsilon_high = 1.0, math.inf
@@ -259,6 +261,18 @@ class DPPOTrainer(GRPOTrainer):
             )
             with open(path, "a", encoding="utf-8") as card:
                 card.write("\n" + dppo_card_section(self.args))
+
+    def train(self, *args, **kwargs):
+        """Parent's `train`; a CPU trainer with a colocated vLLM engine trains with a bounded thread count (restored
+        afterwards), and a run stopped by SIGTERM (`enable_jit_checkpoint`) raises `TrainingPreempted` (exit 143)
+        after its checkpoint instead of returning as if it had finished (`dppo_trl/preemption.py`)."""
+        threads = None
+        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
+            threads = cpu_colocate_threads(self.accelerator.num_processes)
+        with trainer_cpu_threads(threads):
+            output = super().train(*args, **kwargs)
+        raise_if_preempted(self._jit_checkpoints, self.accelerator.is_main_process)
+        return output
 
     def _save_checkpoint(self, model, trial):
         """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/checkpoints.py`)."""
