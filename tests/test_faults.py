@@ -168,3 +168,44 @@ def test_colocate_patches_stay_inside_their_trainer(tiny_model_dir, tmp_path, ma
     plain.train()
     assert _trl_symbols() == before
     del trainer
+
+
+def test_failing_write_during_a_save_keeps_the_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """Disk full while checkpoint-2 is written: the error names the path, the staged folder stays incomplete, and
+    checkpoint-1 still resumes."""
+    import errno
+
+    import torch
+    from trainer_setup import byte_mean_reward, make_trainer
+
+    from dppo_trl.checkpoints import latest_complete_checkpoint
+
+    out = tmp_path / "run"
+    config = dict(reward_funcs=byte_mean_reward, save_strategy="steps", save_steps=1, steps_per_generation=1)
+    real_save = torch.save
+
+    def save_until_full(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and "checkpoint-2" in str(f):
+            with open(f, "wb") as partial:
+                partial.write(b"\0" * 16)  # a partial file, as a full disk leaves
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    trainer = make_trainer(tiny_model_dir, out, max_steps=3, **config)
+    with pytest.raises(OSError, match="No space left on device") as info:
+        trainer.train()
+    assert info.value.errno == errno.ENOSPC
+    message = str(info.value)
+    assert str(out / "checkpoint-2") in message and str(out / "_incomplete-checkpoint-2") in message
+    assert f"the last complete checkpoint is {out / 'checkpoint-1'}" in message
+    complete, incomplete = scan_checkpoints(str(out))
+    assert [os.path.basename(p) for p in complete] == ["checkpoint-1"]
+    assert [os.path.basename(p) for p in incomplete] == ["_incomplete-checkpoint-2"]
+    monkeypatch.setattr(torch, "save", real_save)
+
+    resumed = make_trainer(tiny_model_dir, out, max_steps=2, **config)
+    resumed.train(resume_from_checkpoint=latest_complete_checkpoint(str(out)))
+    assert resumed.state.global_step == 2
+    complete, incomplete = scan_checkpoints(str(out))
+    assert [os.path.basename(p) for p in complete] == ["checkpoint-1", "checkpoint-2"] and not incomplete

@@ -16,8 +16,8 @@ from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
-from transformers import TrainerCallback  # noqa: E402
 from trainer_setup import byte_mean_reward, make_trainer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 
 class PrintSteps(TrainerCallback):
