@@ -139,6 +139,15 @@ class DPPOConfig(GRPOConfig):
             "it may be enabled to study the decoupled variant."
         },
     )
+    vllm_server_request_timeout: float | None = field(
+        default=1800.0,
+        metadata={
+            "help": "Server mode: seconds one request to the vLLM server may go without an answer before training "
+            "stops with an error naming the server and the resume command (TRL sets no bound, so a hung server "
+            "hangs training). Must exceed the longest generation request. A killed server fails sooner: refused "
+            "connections end after TRL's retries (about 1 min). `None`: no bound."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -21,6 +21,7 @@ aggregation, and `tests/test_trl_contract.py` pins the parent internals this rel
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -33,17 +34,18 @@ from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
-from dppo_trl.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
+from dppo_trl.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
 from dppo_trl.config import DPPOConfig
 from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.inputs import check_trainer_inputs
 from dppo_trl.model_card import dataset_for_card, finish_model_card
-from dppo_trl.preemption import raise_if_preempted, record_jit_checkpoints
+from dppo_trl.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
 from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 from dppo_trl.trust_region import binary_kl, compute_divergence
 from dppo_trl.vllm_cpu import (
     bind_colocate_weight_sync,
+    bound_server_requests,
     cpu_colocate_threads,
     trainer_construction_patches,
     trainer_cpu_threads,
@@ -134,6 +136,8 @@ class DPPOTrainer(GRPOTrainer):
             super().__init__(*bound.args[1:], **bound.kwargs)
         if self.use_vllm:
             bind_colocate_weight_sync(self.vllm_generation)  # vLLM CPU colocate: on this trainer's instance only
+            if self.vllm_mode == "server" and self.accelerator.is_main_process:
+                bound_server_requests(self.vllm_generation.vllm_client, self.args.vllm_server_request_timeout)
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
         self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
 
@@ -269,10 +273,37 @@ class DPPOTrainer(GRPOTrainer):
         threads = None
         if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
             threads = cpu_colocate_threads(self.accelerator.num_processes)
-        with trainer_cpu_threads(threads):
+        with trainer_cpu_threads(threads), self._server_failures():
             output = super().train(*args, **kwargs)
         raise_if_preempted(self._jit_checkpoints, self.accelerator.is_main_process)
         return output
+
+    @contextlib.contextmanager
+    def _server_failures(self):
+        """Server mode: a failed request to the vLLM server (killed, hung, unreachable) ends training with an error
+        naming the server, the last complete checkpoint and how to resume."""
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            yield
+            return
+        import requests
+
+        try:
+            yield
+        except requests.exceptions.RequestException as error:
+            client = getattr(self.vllm_generation, "vllm_client", None)
+            url = getattr(client, "base_url", f"http://{self.args.vllm_server_host}:{self.args.vllm_server_port}")
+            latest = latest_complete_checkpoint(self._get_output_dir(trial=None))
+            resume = (
+                f"restart it and resume with `{resume_command(latest)}` (or `--resume_from_checkpoint latest` with "
+                f"examples/train_dapo_math.py)"
+                if latest
+                else "restart it and train again (no checkpoint was saved)"
+            )
+            raise RuntimeError(
+                f"The vLLM server at {url} stopped answering ({type(error).__name__}: {error}). Training stopped; "
+                f"{resume}. Requests are bounded by vllm_server_request_timeout="
+                f"{self.args.vllm_server_request_timeout} s."
+            ) from error
 
     def _save_checkpoint(self, model, trial):
         """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/checkpoints.py`)."""

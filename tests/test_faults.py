@@ -209,3 +209,50 @@ def test_failing_write_during_a_save_keeps_the_previous_checkpoint(tiny_model_di
     assert resumed.state.global_step == 2
     complete, incomplete = scan_checkpoints(str(out))
     assert [os.path.basename(p) for p in complete] == ["checkpoint-1", "checkpoint-2"] and not incomplete
+
+
+def test_killed_vllm_server_stops_training_with_the_resume_command(tmp_path, master_port, monkeypatch):
+    """Server mode: a DPPOTrainer in this process leaves TRL's `VLLMClient` untouched after training; then a training
+    subprocess loses its server mid-run and exits non-zero naming the server and the resume command."""
+    from test_vllm_server import API_KEY, TINY_MODEL, _start_server, _stop, _wait_healthy
+    from trainer_setup import byte_mean_reward, make_trainer
+
+    server = _start_server(str(tmp_path / "server.log"))
+    try:
+        if not _wait_healthy(server):
+            pytest.skip("the vLLM server's port was taken")
+        monkeypatch.setenv("VLLM_API_KEY", API_KEY)
+        before = _trl_symbols()
+        trainer = make_trainer(
+            TINY_MODEL,
+            tmp_path / "inproc",
+            reward_funcs=byte_mean_reward,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_host="127.0.0.1",
+            vllm_server_port=server.port,
+            vllm_server_timeout=60,
+            max_steps=1,
+        )
+        assert trainer.vllm_generation.vllm_client.file_sync
+        trainer.train()
+        assert _trl_symbols() == before
+
+        out, log = tmp_path / "run", str(tmp_path / "train.log")
+        args = ["--model", TINY_MODEL, "--output_dir", str(out), "--output_json", str(tmp_path / "r.json")]
+        args += ["--generation", "server", "--server_port", str(server.port), "--save_steps", "2"]
+        proc = _launch(args + ["--max_steps", "500"], log, VLLM_API_KEY=API_KEY)
+        try:
+            _wait_for_line(proc, log, "STEP 3\n")
+            _stop(server.proc)  # SIGTERM to the server's process group; SIGKILL if it lingers
+            code = _finish(proc, log)
+        finally:
+            _kill(proc)
+    finally:
+        _stop(server.proc)
+    text = _read(log)
+    assert code != 0, text[-4000:]
+    assert f"The vLLM server at {server.base_url} stopped answering" in text, text[-4000:]
+    complete, incomplete = scan_checkpoints(str(out))
+    assert complete and not incomplete, (complete, incomplete)
+    assert f"--resume_from_checkpoint {complete[-1]}" in text
