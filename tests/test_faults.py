@@ -256,3 +256,30 @@ def test_killed_vllm_server_stops_training_with_the_resume_command(tmp_path, mas
     complete, incomplete = scan_checkpoints(str(out))
     assert complete and not incomplete, (complete, incomplete)
     assert f"--resume_from_checkpoint {complete[-1]}" in text
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_other_rank(tiny_model_dir, tmp_path):
+    """torchrun, 2 gloo ranks: SIGKILL rank 1 mid-run; rank 0 does not hang (torchrun stops it, and a collective
+    waiting on a hung peer ends after `ddp_timeout`, set small here), and the launcher exits non-zero."""
+    from conftest import get_free_port
+
+    out, log = tmp_path / "run", str(tmp_path / "train.log")
+    args = ["--model", tiny_model_dir, "--output_dir", str(out), "--output_json", str(tmp_path / "r.json")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(get_free_port()), SCRIPT, *args, "--max_steps", "500", "--ddp_timeout", "30"]
+    env = _env()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        _wait_for_line(proc, log, "STEP 2\n")
+        pids = dict(line.split()[1::2] for line in _read(log).splitlines() if line.startswith("RANK "))
+        os.kill(int(pids["1"]), signal.SIGKILL)
+        code = _finish(proc, log)
+    finally:
+        _kill(proc)
+    assert code != 0, _read(log)[-4000:]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pids["0"]), 0)  # the surviving rank is gone too

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--ddp_timeout", type=int, default=1800)
     parser.add_argument("--resume_from_checkpoint")
     args = parser.parse_args()
+    print(f"RANK {os.environ.get('RANK', '0')} PID {os.getpid()}", flush=True)
 
     config = dict(
         max_steps=args.max_steps,
