@@ -33,6 +33,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     ),
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
     "_save_checkpoint": ("self", "model", "trial"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
 }
 
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
@@ -168,3 +169,16 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_RPC_ROUTE_MODULE = "vllm.entrypoints.serve.dev.rpc.api_router"
 VLLM_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
 VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+# Faults (`dppo_trl/preemption.py`, `bound_server_requests`, `trainer_construction_patches`). transformers' SIGTERM
+# support: `JITCheckpointCallback.jit_manager` (a `CheckpointManager`) writes a checkpoint through
+# `execute_jit_checkpoint`, which calls the Trainer's `_save_checkpoint`. TRL's client mounts one retrying
+# `HTTPAdapter` on its session and sends without a timeout. TRL's module symbols `LLM` and `VLLMClient` are read
+# while `VLLMGeneration` is built; the colocate sync is reached as `self.vllm_generation.sync_weights()`.
+JIT_CHECKPOINT_FRAGMENTS = (
+    "self.jit_manager = CheckpointManager(trainer=trainer)",
+    "self.jit_manager.execute_jit_checkpoint()",
+    "self.trainer._save_checkpoint(self.trainer.model, trial=None)",
+)
+VLLM_CLIENT_RETRY_FRAGMENTS = ("HTTPAdapter(max_retries=retry_strategy", 'self.session.mount("http://", adapter)')
+VLLM_SYNC_CALL_FRAGMENT = "self.vllm_generation.sync_weights()"

@@ -102,6 +102,7 @@ def test_config_fields_exist():
         "anchor",
         "trust_region",
         "relax_alpha",
+        "vllm_server_request_timeout",
     }
 
 
@@ -203,3 +204,20 @@ def test_vllm_server_mode_contract():
     assert params == list(trl_contract.VLLM_RELOAD_PARAMS)
     # The security note in docs/recipes.md says the API key does not guard the dev endpoints; re-check if this changes.
     assert tuple(GUARDED_PREFIX) == trl_contract.VLLM_API_KEY_GUARDED_PREFIXES
+
+
+def test_fault_handling_internals():
+    """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/preemption.py` and
+    `dppo_trl/vllm_cpu.py` use them."""
+    from transformers import trainer_jit_checkpoint
+    from trl.generation import vllm_client
+
+    jit_source = inspect.getsource(trainer_jit_checkpoint)
+    for fragment in trl_contract.JIT_CHECKPOINT_FRAGMENTS:
+        assert fragment in jit_source, f"transformers' JIT checkpoint changed: missing {fragment!r}"
+    client_source = inspect.getsource(vllm_client.VLLMClient.__init__)
+    for fragment in trl_contract.VLLM_CLIENT_RETRY_FRAGMENTS:
+        assert fragment in client_source, f"VLLMClient.__init__ changed: missing {fragment!r}"
+    assert trl_contract.VLLM_SYNC_CALL_FRAGMENT in inspect.getsource(GRPOTrainer)
+    for symbol in ("LLM", "VLLMClient"):
+        assert hasattr(vllm_generation, symbol), f"trl.generation.vllm_generation.{symbol} is gone"
