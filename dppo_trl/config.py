@@ -62,6 +62,12 @@ class DPPOConfig(GRPOConfig):
         relax_alpha (`float`, *optional*, defaults to `0.1`):
             α of the `relax_*` ablations: tokens with μ < α are relaxed.
 
+        > Parameters for faults
+
+        vllm_server_request_timeout (`float` or `None`, *optional*, defaults to `1800.0`):
+            Server mode: seconds a request to the vLLM server may go unanswered before training stops with an error
+            naming the server and the resume command. `None`: TRL's unbounded wait. See `docs/faults.md`.
+
     Defaults that differ from `GRPOConfig`: `vllm_importance_sampling_correction=False`. GRPO's
     `epsilon`/`epsilon_high` clip is not used by DPPO (only by the `grpo_clip`-family ablations).
     """
