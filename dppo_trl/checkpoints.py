@@ -62,6 +62,15 @@ def staged_checkpoint(trainer, trial=None):
     trainer._get_output_dir = lambda trial=None: staging_root  # instance attribute: shadows the method for this save
     try:
         yield
+    except OSError as error:
+        # Disk full, quota, I/O error: say which save failed and what is still safe to resume from.
+        latest = latest_complete_checkpoint(run_dir)
+        raise OSError(
+            error.errno,
+            f"Saving checkpoint {final} failed while writing under {staging_root}: {error}. The staged folder is left "
+            "incomplete (ignored on resume); "
+            + (f"the last complete checkpoint is {latest}." if latest else "there is no complete checkpoint yet."),
+        ) from error
     finally:
         del trainer._get_output_dir
     # Every rank writes into the checkpoint (its RNG state, its optimizer shard): rename only after all are done.

@@ -120,6 +120,12 @@ class DPPOConfig(GRPOConfig):
         relax_alpha (`float`, *optional*, defaults to `0.1`):
             α of the `relax_*` ablations: tokens with μ < α are relaxed.
 
+        > Parameters for faults
+
+        vllm_server_request_timeout (`float` or `None`, *optional*, defaults to `1800.0`):
+            Server mode: seconds a request to the vLLM server may go unanswered before training stops with an error
+            naming the server and the resume command. `None`: TRL's unbounded wait. See `docs/faults.md`.
+
     Defaults that differ from `GRPOConfig`: `vllm_importance_sampling_correction=False`. GRPO's
     `epsilon`/`epsilon_high` clip is not used by DPPO (only by the `grpo_clip`-family ablations).
     """
@@ -203,6 +209,15 @@ class DPPOConfig(GRPOConfig):
             "help": "TRL's truncated importance-sampling correction π_old/μ. DPPO's μ anchor already corrects the "
             "train–inference mismatch, so it must stay `False` with `anchor='behavior'`; with `anchor='recompute'` "
             "it may be enabled to study the decoupled variant."
+        },
+    )
+    vllm_server_request_timeout: float | None = field(
+        default=1800.0,
+        metadata={
+            "help": "Server mode: seconds one request to the vLLM server may go without an answer before training "
+            "stops with an error naming the server and the resume command (TRL sets no bound, so a hung server "
+            "hangs training). Must exceed the longest generation request. A killed server fails sooner: refused "
+            "connections end after TRL's retries (about 1 min). `None`: no bound."
         },
     )
 

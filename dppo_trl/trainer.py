@@ -40,7 +40,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
-from dppo_trl.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
+from dppo_trl.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
 from dppo_trl.config import DPPOConfig
 from dppo_trl.distributed import check_distributed_setup
 from dppo_trl.inputs import check_trainer_inputs
@@ -54,8 +54,16 @@ from dppo_trl.objective import (
     trust_region_metrics,
     trust_region_stats,
 )
+from dppo_trl.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
 from dppo_trl.registry import TRUST_REGIONS
 from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
+from dppo_trl.vllm_cpu import (
+    bind_colocate_weight_sync,
+    bound_server_requests,
+    cpu_colocate_threads,
+    trainer_construction_patches,
+    trainer_cpu_threads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,22 +174,19 @@ class DPPOTrainer(GRPOTrainer):
         _validate_trainer_inputs(config, params)
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
-        if config.use_vllm and config.vllm_mode == "colocate":
-            from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
-
-            if is_vllm_cpu_platform():
-                patch_trl_vllm_for_cpu()
-        if config.use_vllm and config.vllm_mode == "server":
-            # TRL's client, plus a file-based weight sync picked when the trainer's device is the CPU (NCCL otherwise).
-            from dppo_trl.vllm_cpu import patch_trl_vllm_server_for_cpu
-
-            patch_trl_vllm_server_for_cpu()
-
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
+        # client with a file-based weight sync when the trainer's device is the CPU), then restored.
+        with trainer_construction_patches(config.use_vllm, config.vllm_mode):
+            super().__init__(*bound.args[1:], **bound.kwargs)
         # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
         # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
         self._check_liger_device()
+        if self.use_vllm:
+            bind_colocate_weight_sync(self.vllm_generation)  # vLLM CPU colocate: on this trainer's instance only
+            if self.vllm_mode == "server" and self.accelerator.is_main_process:
+                bound_server_requests(self.vllm_generation.vllm_client, self.args.vllm_server_request_timeout)
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
+        self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
 
         # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
         self.epsilon_low, self.epsilon_high = 1.0, math.inf
@@ -367,6 +372,45 @@ class DPPOTrainer(GRPOTrainer):
             )
             with open(path, "a", encoding="utf-8") as card:
                 card.write("\n" + dppo_card_section(self.args))
+
+    def train(self, *args, **kwargs):
+        """Parent's `train`; a CPU trainer with a colocated vLLM engine trains with a bounded thread count (restored
+        afterwards), and a run stopped by SIGTERM (`enable_jit_checkpoint`) raises `TrainingPreempted` (exit 143)
+        after its checkpoint instead of returning as if it had finished (`dppo_trl/preemption.py`)."""
+        threads = None
+        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
+            threads = cpu_colocate_threads(self.accelerator.num_processes)
+        with trainer_cpu_threads(threads), self._server_failures():
+            output = super().train(*args, **kwargs)
+        raise_if_preempted(self._jit_checkpoints, self.accelerator.is_main_process)
+        return output
+
+    @contextlib.contextmanager
+    def _server_failures(self):
+        """Server mode: a failed request to the vLLM server (killed, hung, unreachable) ends training with an error
+        naming the server, the last complete checkpoint and how to resume."""
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            yield
+            return
+        import requests
+
+        try:
+            yield
+        except requests.exceptions.RequestException as error:
+            client = getattr(self.vllm_generation, "vllm_client", None)
+            url = getattr(client, "base_url", f"http://{self.args.vllm_server_host}:{self.args.vllm_server_port}")
+            latest = latest_complete_checkpoint(self._get_output_dir(trial=None))
+            resume = (
+                f"restart it and resume with `{resume_command(latest)}` (or `--resume_from_checkpoint latest` with "
+                f"examples/train_dapo_math.py)"
+                if latest
+                else "restart it and train again (no checkpoint was saved)"
+            )
+            raise RuntimeError(
+                f"The vLLM server at {url} stopped answering ({type(error).__name__}: {error}). Training stopped; "
+                f"{resume}. Requests are bounded by vllm_server_request_timeout="
+                f"{self.args.vllm_server_request_timeout} s."
+            ) from error
 
     def _save_checkpoint(self, model, trial):
         """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/checkpoints.py`)."""

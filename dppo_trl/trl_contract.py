@@ -33,6 +33,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     ),
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
     "_save_checkpoint": ("self", "model", "trial"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
 }
 
 # Of those, the static methods: DPPOTrainer keeps them static with the same signature, and called on the class (outside
@@ -300,3 +301,16 @@ TREE_ATTENTION_PARAMS = (
 WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
+
+# Faults (`dppo_trl/preemption.py`, `bound_server_requests`, `trainer_construction_patches`). transformers' SIGTERM
+# support: `JITCheckpointCallback.jit_manager` (a `CheckpointManager`) writes a checkpoint through
+# `execute_jit_checkpoint`, which calls the Trainer's `_save_checkpoint`. TRL's client mounts one retrying
+# `HTTPAdapter` on its session and sends without a timeout. TRL's module symbols `LLM` and `VLLMClient` are read
+# while `VLLMGeneration` is built; the colocate sync is reached as `self.vllm_generation.sync_weights()`.
+JIT_CHECKPOINT_FRAGMENTS = (
+    "self.jit_manager = CheckpointManager(trainer=trainer)",
+    "self.jit_manager.execute_jit_checkpoint()",
+    "self.trainer._save_checkpoint(self.trainer.model, trial=None)",
+)
+VLLM_CLIENT_RETRY_FRAGMENTS = ("HTTPAdapter(max_retries=retry_strategy", 'self.session.mount("http://", adapter)')
+VLLM_SYNC_CALL_FRAGMENT = "self.vllm_generation.sync_weights()"

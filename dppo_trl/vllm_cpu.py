@@ -32,11 +32,13 @@ resets the prefix cache. On CUDA it is TRL's client unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,8 @@ __all__ = [
     "is_vllm_cpu_platform",
     "patch_trl_vllm_for_cpu",
     "patch_trl_vllm_server_for_cpu",
+    "trainer_construction_patches",
+    "trainer_cpu_threads",
     "unpatch_trl_vllm_for_cpu",
     "unpatch_trl_vllm_server_for_cpu",
 ]
@@ -408,3 +412,142 @@ def unpatch_trl_vllm_server_for_cpu() -> None:
     original = getattr(vllm_generation.VLLMClient, "dppo_original_class", None)
     if original is not None:
         vllm_generation.VLLMClient = original
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patches scoped to one trainer
+# ----------------------------------------------------------------------------------------------------------------
+# What DPPOTrainer uses (the `patch_*` functions above stay for callers who want the process-wide patch). TRL reads
+# the module symbols `LLM` and `VLLMClient` only while it builds the engine or client, inside the trainer's
+# constructor, so they are swapped for that block only, reference-counted across nested or concurrent constructions.
+# The colocate weight sync is bound to the trainer's own `VLLMGeneration` instance, so it lives and dies with it.
+_SYMBOL_SWAPS: dict[str, list] = {}  # symbol name -> [TRL's original, replacement, users]
+
+
+@contextlib.contextmanager
+def _swapped_trl_symbol(name: str, make_replacement) -> Iterator[None]:
+    import trl.generation.vllm_generation as vllm_generation
+
+    entry = _SYMBOL_SWAPS.get(name)
+    if entry is None:
+        current = getattr(vllm_generation, name)
+        replacement = make_replacement(current)
+        if replacement is current:  # already patched process-wide by a direct `patch_*` call: leave it to its owner
+            yield
+            return
+        entry = _SYMBOL_SWAPS[name] = [current, replacement, 0]
+        setattr(vllm_generation, name, replacement)
+    entry[2] += 1
+    try:
+        yield
+    finally:
+        entry[2] -= 1
+        if entry[2] == 0:
+            del _SYMBOL_SWAPS[name]
+            if getattr(vllm_generation, name) is entry[1]:
+                setattr(vllm_generation, name, entry[0])
+
+
+def _cpu_llm_replacement(current: Any) -> Any:
+    if PATCH_STATE.llm_patched or getattr(current, "__wrapped__", None) is not None:
+        return current
+    return _make_cpu_llm_factory(
+        current, {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True}
+    )
+
+
+def _server_client_replacement(current: Any) -> Any:
+    if getattr(current, "dppo_original_class", None) is not None:
+        return current
+    return _cpu_sync_client_class(current)
+
+
+@contextlib.contextmanager
+def trainer_construction_patches(use_vllm: bool, vllm_mode: str) -> Iterator[None]:
+    """The TRL patches a DPPOTrainer needs while its parent constructor builds the vLLM engine or client.
+
+    Colocate on vLLM's CPU platform: `LLM` gets the CPU defaults (`patch_trl_vllm_for_cpu`'s) unless a process-wide
+    patch already set them. Server mode: `VLLMClient` is the CPU-sync subclass. Everything is restored on exit, and
+    so is `torch.set_num_threads`, which vLLM's CPU worker replaces with a no-op when the colocated engine starts.
+    """
+    with contextlib.ExitStack() as stack:
+        if use_vllm and vllm_mode == "colocate" and is_vllm_cpu_platform():
+            set_num_threads = torch.set_num_threads
+            stack.callback(setattr, torch, "set_num_threads", set_num_threads)
+            stack.enter_context(_swapped_trl_symbol("LLM", _cpu_llm_replacement))
+        if use_vllm and vllm_mode == "server":
+            stack.enter_context(_swapped_trl_symbol("VLLMClient", _server_client_replacement))
+        yield
+
+
+def bind_colocate_weight_sync(vllm_generation: Any) -> bool:
+    """Give this `VLLMGeneration` (colocate, vLLM CPU) the reload-based sync, on the instance only; True if bound."""
+    if vllm_generation.mode != "colocate" or not is_vllm_cpu_platform():
+        return False
+    if type(vllm_generation).sync_weights is _colocate_sync_weights_via_reload:
+        return False  # the class is patched process-wide already
+    vllm_generation.sync_weights = types.MethodType(_colocate_sync_weights_via_reload, vllm_generation)
+    return True
+
+
+_THREADS_LOGGED = False
+
+
+def cpu_colocate_threads(local_world_size: int) -> int | None:
+    """torch threads for a CPU trainer sharing its cores with a colocated vLLM engine; None leaves them alone.
+
+    A launcher or user that set `OMP_NUM_THREADS` decides. Otherwise one thread per local process: measured on 2
+    cores, torch's default (one thread per core) with the colocated engine runs several times slower per step than
+    1 thread, which is what `accelerate launch` sets (docs/faults.md, "Thread counts").
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return 1 if local_world_size >= 1 else None
+
+
+@contextlib.contextmanager
+def trainer_cpu_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` torch intra-op threads, then restore the previous count (None: no change)."""
+    global _THREADS_LOGGED
+    previous = torch.get_num_threads()
+    if threads is None or threads == previous:
+        yield
+        return
+    if not _THREADS_LOGGED:
+        logger.warning(
+            "CPU trainer with a colocated vLLM engine and no OMP_NUM_THREADS: training with %d torch thread(s) "
+            "instead of %d (the engine shares these cores; more threads oversubscribe them). Set OMP_NUM_THREADS "
+            "to choose.",
+            threads,
+            previous,
+        )
+        _THREADS_LOGGED = True
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def bound_server_requests(client: Any, timeout: float | None) -> None:
+    """Bound every request of a TRL `VLLMClient` to `timeout` seconds without an answer, not retried (None: no bound).
+
+    TRL's session sends without a timeout, so a hung server hangs training, and its `Retry(read=5)` would repeat a
+    timed-out generation five times. Connection retries (a killed server refuses connections) keep TRL's backoff,
+    about 1 min in all.
+    """
+    if timeout is None:
+        return
+    from requests.adapters import HTTPAdapter
+
+    class TimeoutAdapter(HTTPAdapter):
+        def send(self, request, **kwargs):
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = timeout
+            return super().send(request, **kwargs)
+
+    current = client.session.get_adapter(client.base_url)
+    retries = current.max_retries.new(read=0)
+    adapter = TimeoutAdapter(max_retries=retries, pool_maxsize=getattr(current, "_pool_maxsize", 10))
+    for prefix in ("http://", "https://"):
+        client.session.mount(prefix, adapter)

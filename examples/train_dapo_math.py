@@ -30,6 +30,9 @@ python examples/train_dapo_math.py \
     --use_vllm --vllm_mode colocate --divergence binary_tv --learning_rate 1e-6 --num_generations 16
 ```
 
+Preemption: `--enable_jit_checkpoint` (on in the GPU recipes) makes a SIGTERM save a complete checkpoint and exit with
+code 143 naming it, without writing a final model; `--resume_from_checkpoint latest` continues (docs/faults.md).
+
 Rewards: `accuracy_reward` (math-verify on the `Answer:` line or last `\\boxed{}`), plus an optional
 `format_reward` (`--format_reward_weight`). Evaluation: `--math_eval_datasets aime24 aime25` (Hub ids or local
 files; `name=path` to rename), every `--math_eval_steps` steps, `--math_eval_num_samples` samples per problem.

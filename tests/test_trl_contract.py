@@ -112,6 +112,7 @@ def test_config_fields_exist():
         "anchor",
         "trust_region",
         "relax_alpha",
+        "vllm_server_request_timeout",
     }
 
 
@@ -337,3 +338,20 @@ def test_async_packing_sample_worker_and_cpu_contract():
     protocol = module.WeightTransferProtocol
     assert all(callable(getattr(protocol, name)) for name in trl_contract.WEIGHT_TRANSFER_METHODS)
     assert all(callable(getattr(VLLMClient, name)) for name in trl_contract.ASYNC_VLLM_CLIENT_METHODS)
+
+
+def test_fault_handling_internals():
+    """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/preemption.py` and
+    `dppo_trl/vllm_cpu.py` use them."""
+    from transformers import trainer_jit_checkpoint
+    from trl.generation import vllm_client
+
+    jit_source = inspect.getsource(trainer_jit_checkpoint)
+    for fragment in trl_contract.JIT_CHECKPOINT_FRAGMENTS:
+        assert fragment in jit_source, f"transformers' JIT checkpoint changed: missing {fragment!r}"
+    client_source = inspect.getsource(vllm_client.VLLMClient.__init__)
+    for fragment in trl_contract.VLLM_CLIENT_RETRY_FRAGMENTS:
+        assert fragment in client_source, f"VLLMClient.__init__ changed: missing {fragment!r}"
+    assert trl_contract.VLLM_SYNC_CALL_FRAGMENT in inspect.getsource(GRPOTrainer)
+    for symbol in ("LLM", "VLLMClient"):
+        assert hasattr(vllm_generation, symbol), f"trl.generation.vllm_generation.{symbol} is gone"
