@@ -3,6 +3,7 @@ and TRL's classes left untouched once a DPPOTrainer is done (docs/faults.md)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -275,7 +276,8 @@ def test_killed_rank_ends_the_other_rank(tiny_model_dir, tmp_path):
         proc = subprocess.Popen(command, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     try:
         _wait_for_line(proc, log, "STEP 2\n")
-        pids = dict(line.split()[1::2] for line in _read(log).splitlines() if line.startswith("RANK "))
+        # Both ranks write to one log, so a line may hold another rank's output too: match the markers anywhere.
+        pids = dict(re.findall(r"RANK (\d+) PID (\d+)", _read(log)))
         os.kill(int(pids["1"]), signal.SIGKILL)
         code = _finish(proc, log)
     finally:
