@@ -35,8 +35,10 @@ produces. Prints one JSON object to stdout (library notices go to stderr) and ex
 import os
 import sys
 
-# The repository root holds `dppo_dev` (scaffolding, not installed); the workers run this file too.
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+# The repository root holds `dppo_dev` (scaffolding, not installed), this folder `bench_env`; the workers run this
+# file too, and tests import it as a module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -76,7 +78,13 @@ def parse_args(argv=None):
         help="also time topk_fused and binary_fused alternately in one process, this many times each (0: off)",
     )
     parser.add_argument("--worker", choices=(*VARIANTS, "paired"), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("n_tokens", "hidden", "vocab", "k", "token_chunk", "vocab_tile", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.anchor_chunk < 0 or args.threads < 0 or args.paired < 0:
+        parser.error("--anchor-chunk, --threads and --paired must be >= 0")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------------------------
