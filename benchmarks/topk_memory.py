@@ -27,9 +27,12 @@ the sampled id's log-probability gets a gradient, the K others feed a detached m
 
 Memory is the increase of the process's peak RSS (Linux `VmHWM`, reset through `/proc/self/clear_refs` right before
 the measured step) over the RSS just before it, so it counts every transient of the step plus the gradients it
-produces. Prints one JSON object to stdout (library notices go to stderr) and exits 1 when a variant failed.
+produces. With `--device cuda` it is the increase of `torch.cuda.max_memory_allocated` (peak stats reset right before
+the step) over the allocated memory just before it, and times are taken after `torch.cuda.synchronize()`.
+Prints one JSON object to stdout (library notices go to stderr) and exits 1 when a variant failed.
 
     .venv/bin/python benchmarks/topk_memory.py [--n-tokens 2048 --hidden 512 --vocab 151936 --k 20]
+    python benchmarks/topk_memory.py --device cuda --dtype bfloat16   # GPU (scripts/gpu_check.sh)
 """
 
 import os
@@ -68,6 +71,10 @@ def parse_args(argv=None):
     parser.add_argument("--frozen-weight", action="store_true", help="lm_head without gradient (LoRA)")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats per variant (time = min)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the step runs")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="hidden states and lm_head weight"
+    )
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
     )
@@ -195,14 +202,30 @@ def _make_inputs(args, torch):
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     N, H, V, K = args.n_tokens, args.hidden, args.vocab, args.k
-    hidden = torch.randn(N, H).requires_grad_()
-    weight = (torch.randn(V, H) / H**0.5).requires_grad_(not args.frozen_weight)
+    dtype = getattr(torch, args.dtype)
+    # Drawn on the CPU so both devices see the same numbers
+    hidden = torch.randn(N, H).to(args.device, dtype).requires_grad_()
+    weight = (torch.randn(V, H) / H**0.5).to(args.device, dtype).requires_grad_(not args.frozen_weight)
     # Sampled id then K behavior ids; the sampled id is inside the top-K for about half the rows
     ids = torch.randint(0, V, (N, 1 + K))
     inside = torch.rand(N) < 0.5
     ids[inside, 0] = ids[inside, 1]
     advantages = torch.randn(N)
-    return hidden, weight, ids, advantages
+    return hidden, weight, ids.to(args.device), advantages.to(args.device)
+
+
+class _CudaPeak:
+    """Peak extra CUDA memory of one step: allocator peak over the memory allocated when it starts."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+
+    def stop(self):
+        self.torch.cuda.synchronize()
+        return (self.torch.cuda.max_memory_allocated() - self.base) // 1024
 
 
 def run_paired(args):
@@ -221,6 +244,8 @@ def run_paired(args):
             hidden.grad = weight.grad = None
             start, cpu_start = time.perf_counter(), time.process_time()
             steps[name](hidden, weight, ids, advantages)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             if i:
                 wall[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - cpu_start)
@@ -250,18 +275,24 @@ def run_worker(args):
     for _ in range(args.repeats):
         hidden.grad = weight.grad = None
         gc.collect()
-        base_kib = _status_kib("VmRSS")
-        sampler = None
-        if not _reset_peak_rss():
-            sampler = _RssSampler()
-            sampler.start()
+        sampler = cuda_peak = None
+        if args.device == "cuda":
+            base_kib, cuda_peak = 0, _CudaPeak(torch)
+        else:
+            base_kib = _status_kib("VmRSS")
+            if not _reset_peak_rss():
+                sampler = _RssSampler()
+                sampler.start()
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss = step(hidden, weight, ids, advantages)
+        loss = step(hidden, weight, ids, advantages)  # float(loss) waits for the device
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         if "anchor_gather_s" in timings:
             gathers.append(timings["anchor_gather_s"])
-        peak_kib = sampler.stop() if sampler is not None else _status_kib("VmHWM")
+        if cuda_peak is not None:
+            peak_kib = cuda_peak.stop()
+        else:
+            peak_kib = sampler.stop() if sampler is not None else _status_kib("VmHWM")
         peaks.append((peak_kib - base_kib) / 1024)
     result = {
         "variant": args.worker,
@@ -270,7 +301,9 @@ def run_worker(args):
         "cpu_s": round(min(cpu_times), 3),
         "times_s": [round(t, 3) for t in times],
         "loss": loss,
-        "peak_method": "VmHWM reset" if sampler is None else "RSS sampler (2 ms)",
+        "peak_method": "cuda max_memory_allocated"
+        if args.device == "cuda"
+        else ("VmHWM reset" if sampler is None else "RSS sampler (2 ms)"),
     }
     if gathers:
         result["anchor_gather_s"] = round(min(gathers), 3)
@@ -382,17 +415,19 @@ def _measure(args, argv):
             "trl_token_chunk": 4096,
             "temperature": args.temperature,
             "frozen_weight": args.frozen_weight,
-            "dtype": "float32",
+            "dtype": args.dtype,
+            "device": args.device,
             "repeats": args.repeats,
             "threads": args.threads or torch.get_num_threads(),
             "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"
+            + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
             "load_average_before": load_before,
             "load_average_after": load_average(),
         },
         "reference_sizes_mib": {
             "one_NxV_fp32": round(N * V * 4 / 2**20, 1),
-            "grad_weight_VxH_fp32": round(V * H * 4 / 2**20, 1),
+            "grad_weight_VxH": round(V * H * (2 if args.dtype == "bfloat16" else 4) / 2**20, 1),
             "one_tile_fp32": round(min(N, args.token_chunk) * min(V, args.vocab_tile) * 4 / 2**20, 1),
         },
         "results": results,

@@ -13,7 +13,10 @@ from dppo_trl.trust_region import DIVERGENCES, default_delta
 
 # vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
 VLLM_COLOCATE_MAX_LOGPROBS = 20
-# Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`).
+# Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`). TRL's docs
+# call `luspo` sequence-level (it recommends `importance_sampling_level="sequence"`), but its loss code aggregates a
+# token-level term too — `(per_token_loss * mask).sum(-1).mean()`, pinned in `trl_contract.LUSPO_AGGREGATION` — and
+# only warns; with DPPO's per-token term that is the authors' seq-mean-token-sum, which the GPU recipes use.
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
 
@@ -196,7 +199,13 @@ class DPPOConfig(GRPOConfig):
         if self.importance_sampling_level != "token":
             raise ValueError(
                 "importance_sampling_level='sequence' (GSPO) is not supported: DPPO's trust region is per token. "
-                "Use importance_sampling_level='token'."
+                "Use importance_sampling_level='token'"
+                + (
+                    " (loss_type='luspo' then aggregates the per-token term as a sum over each completion's tokens, "
+                    "averaged over completions: the DPPO authors' seq-mean-token-sum)."
+                    if self.loss_type == "luspo"
+                    else "."
+                )
             )
         if self.delta is not None:
             raise ValueError(
@@ -222,12 +231,6 @@ class DPPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
-        if self.use_liger_kernel and not _cuda_available():
-            raise ValueError(
-                "use_liger_kernel=True applies Liger's Triton layer kernels, which need a CUDA device and fail on CPU. "
-                "Set use_liger_kernel=False. (With CUDA it only swaps RMSNorm/SwiGLU/RoPE kernels; the DPPO loss is "
-                "always computed by DPPOTrainer.)"
-            )
         if self.top_p < 1.0 or self.top_k > 0 or (self.min_p or 0.0) > 0.0 or self.repetition_penalty != 1.0:
             warnings.warn(
                 f"Sampling with top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}, "
@@ -238,9 +241,3 @@ class DPPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

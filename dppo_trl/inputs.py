@@ -21,11 +21,15 @@ def check_trainer_inputs(config, params: dict) -> None:
     """Fail fast on bad trainer inputs; may set `params["processing_class"]` (see the module docstring)."""
     check_generation_config(config)
     train_dataset = params.get("train_dataset")
-    check_prompt_column(train_dataset, "train_dataset")
+    # With an `environment_factory` the `prompt` column is optional in TRL: each rollout's `reset()` supplies it.
+    prompt_required = params.get("environment_factory") is None
+    if prompt_required:
+        check_prompt_column(train_dataset, "train_dataset")
     check_dataset_size(train_dataset, config)
     eval_dataset = params.get("eval_dataset")
     for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
-        check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+        if prompt_required:
+            check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
     if _first_prompt_is_conversational(train_dataset):
         processing_class = params.get("processing_class")
         if processing_class is None:

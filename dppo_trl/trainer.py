@@ -21,6 +21,8 @@ aggregation, and `tests/test_trl_contract.py` pins the parent internals this rel
 
 from __future__ import annotations
 
+import contextlib
+import fractions
 import inspect
 import logging
 import math
@@ -133,6 +135,9 @@ class DPPOTrainer(GRPOTrainer):
             patch_trl_vllm_server_for_cpu()
 
         super().__init__(*bound.args[1:], **bound.kwargs)
+        # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
+        # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
+        self._check_liger_device()
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
 
         # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
@@ -162,7 +167,8 @@ class DPPOTrainer(GRPOTrainer):
         """Generate with the parent, then make `old_per_token_logps` the behavior policy μ and attach μ's top-K."""
         if self._vllm_topk is not None:
             self._vllm_topk.reset()
-        output = super()._generate_and_score_completions(inputs)
+        with self._parent_old_logps_skipped(self._discards_parent_old_logps()):
+            output = super()._generate_and_score_completions(inputs)
         mask = (
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
@@ -182,6 +188,46 @@ class DPPOTrainer(GRPOTrainer):
         if topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
         return output
+
+    def _check_liger_device(self) -> None:
+        """`use_liger_kernel=True` needs CUDA: Liger's Triton layer kernels fail on the first forward elsewhere."""
+        if self.args.use_liger_kernel and self.accelerator.device.type != "cuda":
+            raise ValueError(
+                f"use_liger_kernel=True applies Liger's Triton layer kernels, which need a CUDA device; this trainer "
+                f"runs on {self.accelerator.device.type!r}. Set use_liger_kernel=False. (With CUDA it only swaps "
+                "RMSNorm/SwiGLU/RoPE kernels; the DPPO loss is always computed by DPPOTrainer.)"
+            )
+
+    def _discards_parent_old_logps(self) -> bool:
+        """Whether GRPOTrainer's no-grad π_old pass would be thrown away: μ comes from the engine (vLLM colocate or
+        server, or a `rollout_func`), DPPO anchors on it, and no trust region of `dppo_trl.registry` asks for π_old.
+
+        Kept: `anchor="recompute"` (the ablation anchors on π_old), `needs_old_logps` entries, and transformers
+        generation, where the parent's recompute of the generating weights *is* μ.
+        """
+        engine_mu = self.use_vllm or self.rollout_func is not None
+        region = TRUST_REGIONS[self.args.trust_region]
+        return engine_mu and self.args.anchor == "behavior" and not region.needs_old_logps
+
+    @contextlib.contextmanager
+    def _parent_old_logps_skipped(self, skip: bool):
+        """For the duration of the parent's `_generate_and_score_completions`, make its π_old condition false.
+
+        GRPOTrainer recomputes π_old when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`
+        (or for vLLM IS correction, which `DPPOConfig` refuses with `anchor="behavior"`). Inside that method
+        `self.num_iterations` is read only by this condition (pinned in `dppo_trl/trl_contract.py`), so an exact
+        `Fraction(GA, steps_per_generation)` makes the modulus 0 for any shape; the integer is restored on exit.
+        Nothing else changes: the reference pass (β > 0), rewards and advantages are the parent's as before.
+        """
+        if not skip:
+            yield
+            return
+        saved = self.num_iterations
+        self.num_iterations = fractions.Fraction(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+        try:
+            yield
+        finally:
+            self.num_iterations = saved
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """Parent's fused log-prob pass; while DPPO captures, also keep the final hidden states and entropies."""

@@ -168,3 +168,32 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_RPC_ROUTE_MODULE = "vllm.entrypoints.serve.dev.rpc.api_router"
 VLLM_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
 VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+# No π_old pass when μ comes from the engine (`DPPOTrainer._parent_old_logps_skipped`). `_generate_and_score_completions`
+# reads `self.num_iterations` once, in its π_old recompute condition, and no GRPOTrainer method it calls reads it (the
+# readers are listed), so a scoped exact `Fraction` that makes `GA % (steps_per_generation · num_iterations)` zero
+# changes that condition and nothing else. The other clause (vLLM IS correction) is off under `anchor="behavior"`.
+OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
+    "generate_every = self.args.steps_per_generation * self.num_iterations",
+    "if self.args.gradient_accumulation_steps % generate_every != 0 or (",
+    "self.use_vllm and self.vllm_importance_sampling_correction",
+    "old_per_token_logps = None",
+)
+NUM_ITERATIONS_READERS = (
+    "__init__",
+    "_generate_and_score_completions",
+    "_get_train_sampler",
+    "_prepare_inputs",
+    "get_train_dataloader",
+)
+OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
+# `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
+# (`dppo_trl/config.py`, SUPPORTED_LOSS_TYPES).
+LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
+# `use_liger_kernel`: GRPOTrainer.__init__ raises its own errors (an adapter on lm_head, Liger's fused cross-entropy)
+# and transformers applies the kernels in `Trainer.train`, not in `__init__`; DPPOTrainer refuses a non-CUDA device in
+# between (`DPPOTrainer._check_liger_device`).
+LIGER_GRPO_INIT_FRAGMENTS = (
+    "Applying a PEFT adapter to `lm_head` is not supported",
+    '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported',
+)
+LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"

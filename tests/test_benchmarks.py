@@ -55,8 +55,9 @@ def _no_nulls(value, path="ratios"):
 
 
 def test_topk_memory_runs_every_variant_from_the_repository_root():
-    # The default vocabulary (Qwen3's), everything else tiny; --paired adds the interleaved A vs binary worker.
-    report = _run_script("topk_memory.py", "--n-tokens", "64", "--hidden", "32", "--paired", "1")
+    # The default vocabulary (Qwen3's), everything else small but large enough for every peak to register in RSS;
+    # --paired adds the interleaved A vs binary worker.
+    report = _run_script("topk_memory.py", "--n-tokens", "256", "--hidden", "64", "--paired", "1")
     assert report["failed"] == []
     assert set(report["results"]) == {"naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused"}
     for name, result in report["results"].items():

@@ -50,7 +50,6 @@ def test_explicit_deltas_are_kept(tmp_path):
         ({"delta": 2.0}, "delta=2.0 (GRPO's two-sided ratio clip) is not used by DPPO"),
         ({"epsilon_high": 0.28}, "epsilon_high is GRPO's ratio clip"),
         ({"vllm_importance_sampling_correction": True}, "would correct the train–inference mismatch twice"),
-        ({"use_liger_kernel": True}, "use_liger_kernel=True applies Liger's Triton layer kernels"),
     ],
 )
 def test_rejected_configs(tmp_path, kwargs, message):

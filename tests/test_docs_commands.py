@@ -107,6 +107,11 @@ DECISIONS = {
     "examples/train_dapo_math.py --use_cpu false --ddp_backend gloo --output_dir outputs/tiny-math-zero3": Covered(
         "tests/test_multiprocess.py"
     ),
+    "scripts/gpu_wheels.sh [DIR] [--python 3.12]": CannotRun(
+        "downloads the GPU machine's wheels from PyPI (network); tests/test_gpu_check.py checks the script offline"
+    ),
+    "scripts/gpu_check.sh OUT_DIR": CannotRun("GPU-only: installs the wheels and runs the CUDA checks"),
+    "scripts/gpu_check.sh --dry-run OUT_DIR": Covered("tests/test_gpu_check.py"),
     # docs/results.md
     ".venv/bin/python benchmarks/sanity/run.py --output-dir benchmarks/sanity/results": CannotRun(
         "about 10 minutes on 2 cores (the committed results); its --quick form is run below"
@@ -128,6 +133,8 @@ DECISIONS = {
         TOPK_SHRINK
     ),
     ".venv/bin/python benchmarks/topk_memory.py --variants '' --paired 3": Run((*TOPK_SHRINK, "--paired", "1")),
+    "python benchmarks/topk_memory.py --device cuda --dtype bfloat16 --vocab 151936 --hidden 4096 --n-tokens 8192 "
+    "--repeats 3": CannotRun("GPU-only (CUDA); scripts/gpu_check.sh runs it"),
 }
 
 
@@ -163,7 +170,7 @@ def test_cpu_commands_use_the_setups_venv():
     for _, command in documented_commands():
         if isinstance(DECISIONS.get(command), Run | Covered):
             first = shlex.split(command.removeprefix("bash scripts/setup.sh && "))[0]
-            assert first.startswith(".venv/bin/"), command
+            assert first.startswith((".venv/bin/", "scripts/")), command
 
 
 def test_covering_tests_exist_and_run_the_script():

@@ -22,10 +22,14 @@ def test_trl_routes_no_loss_through_liger():
     assert not hasattr(GRPOTrainer, "compute_liger_loss")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_refused_without_cuda(tmp_path):
-    with pytest.raises(ValueError, match="use_liger_kernel=True applies Liger's Triton layer kernels"):
-        DPPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)
+def test_refused_without_cuda(tiny_model_dir, tmp_path):
+    """The config builds anywhere (a GPU config can be prepared on CPU); the trainer refuses a non-CUDA device, after
+    GRPOTrainer's own checks (their order is tested in tests/test_drop_in.py)."""
+    from trainer_setup import make_trainer
+
+    assert DPPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True).use_liger_kernel
+    with pytest.raises(ValueError, match="use_liger_kernel=True applies Liger's Triton layer kernels.*runs on 'cpu'"):
+        make_trainer(tiny_model_dir, tmp_path, use_liger_kernel=True)
 
 
 @pytest.mark.gpu

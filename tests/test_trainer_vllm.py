@@ -113,9 +113,9 @@ def test_mu_is_the_engine_sampled_logprob(tiny_model_dir, tmp_path, master_port,
     trainer.train()
 
     assert len(engine_calls) == 1 and len(batches) == 2
-    # An optimizer step falls between generation and the second loss batch, so TRL itself computes π_old (one pass);
-    # DPPO must still anchor on the engine's μ, which the token-by-token check below proves.
-    assert passes == [1]
+    # An optimizer step falls between generation and the second loss batch, so TRL would compute π_old (one pass);
+    # DPPO skips it (tests/test_no_old_logps.py) and anchors on the engine's μ, as the token-by-token check proves.
+    assert passes == []
     batch = {
         k: torch.cat([b[k] for b in batches])
         for k in batches[0]

@@ -203,3 +203,44 @@ def test_vllm_server_mode_contract():
     assert params == list(trl_contract.VLLM_RELOAD_PARAMS)
     # The security note in docs/recipes.md says the API key does not guard the dev endpoints; re-check if this changes.
     assert tuple(GUARDED_PREFIX) == trl_contract.VLLM_API_KEY_GUARDED_PREFIXES
+
+
+def _code(source: str) -> str:
+    """Source without its comments (TRL's comments mention `num_iterations` where the code does not read it)."""
+    return "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+
+
+def test_old_logps_recompute_condition_is_the_only_num_iterations_reader_in_generation():
+    """`DPPOTrainer._parent_old_logps_skipped` overrides `self.num_iterations` while the parent generates."""
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for fragment in trl_contract.OLD_LOGPS_RECOMPUTE_FRAGMENTS:
+        assert fragment in source, f"GRPOTrainer's π_old recompute condition changed: missing {fragment!r}"
+    code = _code(source)
+    assert code.count("num_iterations") == 1, "_generate_and_score_completions reads num_iterations elsewhere"
+    assert code.count("generate_every") == 2, "generate_every is used outside the π_old condition"
+    readers = set()
+    for cls in GRPOTrainer.__mro__:
+        for name, member in vars(cls).items():
+            if inspect.isfunction(member) and "num_iterations" in _code(inspect.getsource(member)):
+                readers.add(name)
+    assert readers == set(trl_contract.NUM_ITERATIONS_READERS), sorted(
+        readers ^ set(trl_contract.NUM_ITERATIONS_READERS)
+    )
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for attr in trl_contract.OLD_LOGPS_TRAINER_ATTRIBUTES:
+        assert f"self.{attr} =" in init, f"GRPOTrainer.__init__ no longer sets self.{attr}"
+
+
+def test_luspo_aggregates_a_token_level_term():
+    assert trl_contract.LUSPO_AGGREGATION in inspect.getsource(GRPOTrainer._compute_loss)
+
+
+def test_liger_errors_and_kernels_are_where_dppo_expects_them():
+    """GRPOTrainer raises its Liger-related errors in `__init__`; transformers applies the kernels in `train()`."""
+    from transformers import Trainer
+
+    init = inspect.getsource(GRPOTrainer.__init__)
+    for fragment in trl_contract.LIGER_GRPO_INIT_FRAGMENTS:
+        assert fragment in init, f"GRPOTrainer.__init__ changed: missing {fragment!r}"
+    assert trl_contract.LIGER_APPLY_FRAGMENT in inspect.getsource(Trainer.train)
+    assert trl_contract.LIGER_APPLY_FRAGMENT not in inspect.getsource(Trainer.__init__)

@@ -19,6 +19,7 @@ import pytest
 import requests
 import torch
 from conftest import get_free_port
+from forward_count import count_generation_passes
 from trainer_setup import byte_mean_reward, logged, make_trainer
 
 from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
@@ -399,6 +400,27 @@ def test_one_rank_trains_against_the_server(server, trainer_env, tmp_path, diver
     # The server still holds the weights of the last generation (syncs happen only before generating): μ as the
     # trainer received it over HTTP is what the server itself computes for the same tokens.
     assert _assert_mu_matches_server(server, batches[-1], k) > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
+def test_server_mu_needs_no_policy_pass(server, trainer_env, tmp_path, divergence):
+    """spg 2 > GA 1 and num_iterations 2: TRL would recompute π_old while generating; DPPO anchors on μ instead."""
+    trainer = make_trainer(
+        TINY_MODEL,
+        tmp_path,
+        divergence=divergence,
+        divergence_top_k=4,
+        max_steps=2,
+        steps_per_generation=2,
+        num_iterations=2,
+        **_server_config(server),
+    )
+    with count_generation_passes() as passes:
+        trainer.train()
+    assert passes.batches == [[]]  # one generation batch (it serves spg · num_iterations = 4 steps), no pass
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
 
 
 @pytest.mark.vllm
