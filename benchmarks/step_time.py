@@ -12,9 +12,14 @@ step times are pooled, so slow drift of a shared machine's load does not favour 
 times each step from `on_step_begin` to `on_step_end` (generation, scoring, forward/backward and optimizer step); the
 first `--warmup` steps of each run are reported separately and left out of the statistics.
 
-Prints one JSON object to stdout (worker logs go to stderr with `--verbose`):
+The JSON also counts the policy's no-grad forward passes per generation batch (the π_old recompute inside
+`_generate_and_score_completions`) for each trainer, and records the launcher and thread settings it ran with. With
+`--steps-per-generation N --gradient-accumulation-steps M` the step times of a generation cycle (N / M optimizer
+steps, one of which generates) are pooled: compare the means there, not the medians.
 
-    python benchmarks/step_time.py [--steps 5 --warmup 1 --model-size small --divergence binary_tv --output out.json]
+Prints one JSON object to stdout (library notices, and the workers' logs with `--verbose`, go to stderr):
+
+    .venv/bin/python benchmarks/step_time.py [--steps 5 --warmup 1 --model-size small --divergence binary_tv]
 """
 
 import os
@@ -39,7 +44,16 @@ from pathlib import Path  # noqa: E402
 
 TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
-from bench_env import PROMPTS, load_average, machine_info, versions  # noqa: E402
+from bench_env import (  # noqa: E402
+    PROMPTS,
+    emit_json,
+    launcher,
+    load_average,
+    machine_info,
+    stdout_to_stderr,
+    thread_settings,
+    versions,
+)
 
 from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
@@ -57,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--completion-length", type=int, default=32, help="max_completion_length")
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions/step)")
     parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt")
+    parser.add_argument(
+        "--steps-per-generation", type=int, default=None, help="steps_per_generation (default: TRL's, = GA)"
+    )
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--num-iterations", type=int, default=1, help="num_iterations (TRL's μ in GRPO)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of grpo,dppo")
     parser.add_argument("--output", type=Path, help="also write the JSON to this file")
@@ -70,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     if args.batch_size % args.num_generations:
         parser.error("--batch-size must be a multiple of --num-generations")
+    if min(args.gradient_accumulation_steps, args.num_iterations, args.steps_per_generation or 1) < 1:
+        parser.error("--steps-per-generation, --gradient-accumulation-steps and --num-iterations must be >= 1")
     return args
 
 
@@ -137,6 +158,9 @@ def run_worker(args: argparse.Namespace) -> None:
         num_generations=args.num_generations,
         max_completion_length=args.completion_length,
         max_steps=args.warmup + args.steps,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        steps_per_generation=args.steps_per_generation,
+        num_iterations=args.num_iterations,
         learning_rate=1e-5,
         seed=args.seed,
         use_vllm=True,
@@ -148,7 +172,8 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         config, trainer_cls = GRPOConfig(**common), GRPOTrainer
 
-    repeats = -(-(args.warmup + args.steps) * args.batch_size // args.num_generations // len(PROMPTS)) + 1
+    micro_steps = (args.warmup + args.steps) * args.gradient_accumulation_steps
+    repeats = -(-micro_steps * args.batch_size // args.num_generations // len(PROMPTS)) + 1
     dataset = Dataset.from_dict({"prompt": PROMPTS * repeats})
     timer = StepTimer()
     start = time.perf_counter()
@@ -181,9 +206,31 @@ def run_worker(args: argparse.Namespace) -> None:
         finally:
             sync_s[-1] += time.perf_counter() - start
 
+    # No-grad forwards of the policy while a generation batch is scored (TRL's π_old recompute, or any other pass a
+    # trainer adds there), one count per generation batch. The instance attribute shadows the class method, and
+    # TRL calls it through `self`, so the parent's call sites see this wrapper too.
+    forwards: list[int] = []
+    scoring = [False]
+    get_logps = trainer._get_per_token_logps_and_entropies
+
+    def counted_get_logps(model, *a, **kw):
+        if scoring[0] and not torch.is_grad_enabled() and model is trainer.model:
+            forwards[-1] += 1
+        return get_logps(model, *a, **kw)
+
+    def generate_and_score_counted(*a, **kw):
+        forwards.append(0)
+        scoring[0] = True
+        try:
+            return generate_and_score_with_sync_bucket(*a, **kw)
+        finally:
+            scoring[0] = False
+
     trainer.vllm_generation.generate = _timed(trainer.vllm_generation.generate, generate_s)
     trainer.vllm_generation.sync_weights = timed_sync
-    trainer._generate_and_score_completions = generate_and_score_with_sync_bucket
+    trainer._get_per_token_logps_and_entropies = counted_get_logps
+    trainer._generate_and_score_completions = generate_and_score_counted
+    threads_at_start = thread_settings()
     start = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - start
@@ -199,12 +246,19 @@ def run_worker(args: argparse.Namespace) -> None:
         generate_s=generate_s,
         generate_and_score_s=generate_and_score_s,
         sync_weights_s=sync_s,
+        policy_forwards_per_generation=forwards,
+        steps_per_generation=trainer.args.steps_per_generation,
         init_s=init_s,
         train_s=train_s,
-        # The condition under which TRL's `_generate_and_score_completions` recomputes π_old (no grad accumulation).
-        recomputes_old_logps=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+        # Measured, not inferred from the config: TRL also recomputes π_old when gradient accumulation and
+        # generation are misaligned, whatever the importance-sampling setting.
+        recomputes_old_logps=any(forwards),
         mean_completion_length=statistics.fmean(completion_lengths) if completion_lengths else None,
         torch_threads=torch.get_num_threads(),
+        # After the engine started (vLLM's CPU backend may change torch's thread count) and before training.
+        threads_at_start=threads_at_start,
+        threads_at_end=thread_settings(),
+        launcher=launcher(),
     )
     Path(args.result_file).write_text(json.dumps(result))
 
@@ -274,7 +328,13 @@ def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Pa
         str(args.num_generations),
         "--seed",
         str(args.seed),
+        "--gradient-accumulation-steps",
+        str(args.gradient_accumulation_steps),
+        "--num-iterations",
+        str(args.num_iterations),
     ]
+    if args.steps_per_generation is not None:
+        cmd += ["--steps-per-generation", str(args.steps_per_generation)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
@@ -290,12 +350,15 @@ def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Pa
     return result
 
 
-def _combine(runs: list[dict], warmup: int) -> dict:
+def _combine(runs: list[dict], warmup: int, steps_per_cycle: float) -> dict:
     timed = [t for run in runs for t in run["step_times_s"][warmup:]]
     cpu = [t for run in runs for t in run["step_cpu_times_s"][warmup:]]
-    gen = [t for run in runs for t in run["generate_s"][warmup:]]
-    gen_score = [t for run in runs for t in run["generate_and_score_s"][warmup:]]
-    sync = [t for run in runs for t in run["sync_weights_s"][warmup:]]
+    # Generation batches that fell in the warm-up steps (one per `steps_per_cycle` optimizer steps).
+    gen_warmup = math.ceil(warmup / steps_per_cycle)
+    gen = [t for run in runs for t in run["generate_s"][gen_warmup:]]
+    gen_score = [t for run in runs for t in run["generate_and_score_s"][gen_warmup:]]
+    sync = [t for run in runs for t in run["sync_weights_s"][gen_warmup:]]
+    forwards = [n for run in runs for n in run["policy_forwards_per_generation"]]
     # Generate-and-score minus the engine call and the weight sync: rewards, advantages, padding and, for GRPO, the
     # π_old recompute.
     score = [b - a - c for a, b, c in zip(gen, gen_score, sync, strict=True)]
@@ -321,7 +384,15 @@ def _combine(runs: list[dict], warmup: int) -> dict:
         ),
         init_s=[r["init_s"] for r in runs],
         process_wall_s=[r["wall_s"] for r in runs],
+        # No-grad policy forwards while scoring each generation batch (warm-up included: a count, not a time).
+        policy_forwards_per_generation=max(forwards) if forwards else None,
+        policy_forwards_per_generation_all=forwards,
+        generations_per_run=[len(r["policy_forwards_per_generation"]) for r in runs],
+        steps_per_generation=runs[0]["steps_per_generation"],
         torch_threads=runs[0]["torch_threads"],
+        threads_at_start=runs[0]["threads_at_start"],
+        threads_at_end=runs[0]["threads_at_end"],
+        worker_launcher=runs[0]["launcher"],
     )
     return out
 
@@ -332,12 +403,8 @@ def _ratio(results: dict, key: str) -> float | None:
     return results["dppo"][key] / results["grpo"][key]
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.worker:
-        run_worker(args)
-        return {}
-
+def measure(args: argparse.Namespace) -> dict:
+    """Run each trainer in its own process (`--rounds` times) and put their timings together."""
     trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
     if not trainers or any(t not in TRAINERS for t in trainers):
         raise SystemExit(f"--trainers must be a subset of {','.join(TRAINERS)}")
@@ -358,7 +425,9 @@ def main(argv=None) -> dict:
                 port = _free_port(used_ports)
                 runs[trainer].append(_run_one(trainer, args, model_dir, workdir, port, round_index))
 
-    results = {t: _combine(r, args.warmup) for t, r in runs.items()}
+    steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
+    steps_per_cycle = steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
+    results = {t: _combine(r, args.warmup, steps_per_cycle) for t, r in runs.items()}
     report = {
         "benchmark": "step_time",
         "process_mode": "one subprocess per trainer run (fresh vLLM engine and MASTER_PORT each)",
@@ -371,11 +440,17 @@ def main(argv=None) -> dict:
         # Per phase (medians): where the difference comes from.
         "ratio_generate_dppo_over_grpo": _ratio(results, "generate_median_s"),
         "ratio_score_dppo_over_grpo": _ratio(results, "score_median_s"),
+        "policy_forwards_per_generation": {t: r["policy_forwards_per_generation"] for t, r in results.items()},
         "config": {
             "model_size": args.model_size,
             "model": dict(MODEL_PRESETS[args.model_size], vocab_size=259, parameters=n_params),
             "per_device_train_batch_size": args.batch_size,
             "num_generations": args.num_generations,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": steps_per_generation,
+            "num_iterations": args.num_iterations,
+            # With more than one, only one optimizer step of each cycle generates: compare mean step times.
+            "optimizer_steps_per_generation": steps_per_cycle,
             "max_completion_length": args.completion_length,
             "steps": args.steps,
             "warmup": args.warmup,
@@ -388,13 +463,23 @@ def main(argv=None) -> dict:
         },
         "versions": versions(),
         "machine": machine_info(load_before),
+        # How the driver was started and its thread environment (each worker's is under `trainers`).
+        "launcher": launcher(),
+        "threads": thread_settings(),
         "total_wall_s": time.perf_counter() - started,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    return report
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        with stdout_to_stderr():
+            run_worker(args)
+        return {}
+    with stdout_to_stderr():
+        report = measure(args)
+    emit_json(report, args.output)
     return report
 
 

@@ -15,9 +15,9 @@ with `logprobs=K` and with `logprobs=0` (what binary DPPO and GRPO ask for). It 
 generation with vLLM's `flat_logprobs=True` (and TRL's `extract_logprobs` on those flat outputs) and with
 `detokenize=False` (vLLM then skips decoding every top-K token to text).
 
-Times are medians over `--repeats`. Prints one JSON object to stdout:
+Times are medians over `--repeats`. Prints one JSON object to stdout (library notices go to stderr):
 
-    python benchmarks/topk_capture.py [--completions 64 --tokens 64 --k 20 --repeats 5 --model-size tiny]
+    .venv/bin/python benchmarks/topk_capture.py [--completions 64 --tokens 64 --k 20 --repeats 5 --model-size tiny]
 """
 
 import os
@@ -31,7 +31,6 @@ from dppo_dev.offline import set_offline_env  # noqa: E402
 set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this process (no IPC in the timings)
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -39,7 +38,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from bench_env import PROMPTS as BENCH_PROMPTS  # noqa: E402
-from bench_env import load_average, machine_info, versions  # noqa: E402
+from bench_env import emit_json, load_average, machine_info, stdout_to_stderr, versions  # noqa: E402
 
 from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
@@ -112,11 +111,10 @@ class _FixedGeneration:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="dppo-topk-capture-")
-    try:
-        return _measure(args, tmp.name)
-    finally:
-        tmp.cleanup()
+    with stdout_to_stderr(), tempfile.TemporaryDirectory(prefix="dppo-topk-capture-") as tmp:
+        report = _measure(args, tmp)
+    emit_json(report, args.output)
+    return report
 
 
 def _measure(args: argparse.Namespace, tmp: str) -> dict:
@@ -250,11 +248,6 @@ def _measure(args: argparse.Namespace, tmp: str) -> dict:
         "versions": versions(),
         "machine": machine_info(load_before, torch_threads=torch.get_num_threads()),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
     return report
 
 

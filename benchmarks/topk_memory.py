@@ -29,21 +29,29 @@ Memory is the increase of the process's peak RSS (Linux `VmHWM`, reset through `
 the measured step) over the RSS just before it, so it counts every transient of the step plus the gradients it
 produces. With `--device cuda` it is the increase of `torch.cuda.max_memory_allocated` (peak stats reset right before
 the step) over the allocated memory just before it, and times are taken after `torch.cuda.synchronize()`.
-Prints one JSON object to stdout.
+Prints one JSON object to stdout (library notices go to stderr) and exits 1 when a variant failed.
 
-    python benchmarks/topk_memory.py [--n-tokens 2048 --hidden 512 --vocab 151936 --k 20]
+    .venv/bin/python benchmarks/topk_memory.py [--n-tokens 2048 --hidden 512 --vocab 151936 --k 20]
     python benchmarks/topk_memory.py --device cuda --dtype bfloat16   # GPU (scripts/gpu_check.sh)
 """
 
-import argparse
-import gc
-import json
 import os
-import platform
-import subprocess
 import sys
-import threading
-import time
+
+# The repository root holds `dppo_dev` (scaffolding, not installed), this folder `bench_env`; the workers run this
+# file too, and tests import it as a module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from bench_env import emit_json, load_average, stdout_to_stderr  # noqa: E402
 
 VARIANTS = ("naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused")
 
@@ -77,7 +85,13 @@ def parse_args(argv=None):
         help="also time topk_fused and binary_fused alternately in one process, this many times each (0: off)",
     )
     parser.add_argument("--worker", choices=(*VARIANTS, "paired"), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("n_tokens", "hidden", "vocab", "k", "token_chunk", "vocab_tile", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.anchor_chunk < 0 or args.threads < 0 or args.paired < 0:
+        parser.error("--anchor-chunk, --threads and --paired must be >= 0")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -305,11 +319,40 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
+def _overhead(a, b):
+    ratio = _ratio(a, b)
+    return None if ratio is None else round(ratio - 1, 3)
+
+
+def _run_worker(cmd, variant):
+    """One worker's JSON, or an `error` entry with the end of its stderr (also echoed to ours)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0:
+        try:
+            return json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            pass
+    sys.stderr.write(proc.stderr)
+    tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    return {"variant": variant, "error": tail[0], "returncode": proc.returncode}
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(args)))
-        return
+        with stdout_to_stderr():
+            result = run_worker(args)
+        print(json.dumps(result))
+        return 0
+    with stdout_to_stderr():
+        report = _measure(args, argv)
+    emit_json(report, indent=1)
+    return 1 if report["failed"] else 0
+
+
+def _measure(args, argv):
+    """Run every asked-for variant in its own process and put their results and ratios together."""
+    load_before = load_average()
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -318,19 +361,11 @@ def main(argv=None):
     results = {}
     for variant in variants:
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--worker", variant]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            results[variant] = {"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]}
-            continue
-        results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[variant] = _run_worker(cmd, variant)
     paired = None
     if args.paired:
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--worker", "paired"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            paired = {"error": proc.stderr.strip().splitlines()[-1:]}
-        else:
-            paired = json.loads(proc.stdout.strip().splitlines()[-1])
+        paired = _run_worker(cmd, "paired")
 
     def mem(v):
         return results.get(v, {}).get("peak_extra_mib")
@@ -346,59 +381,60 @@ def main(argv=None):
     if gather is not None and tim("binary_trl"):
         # Design B is binary_trl plus this no-grad gather; timed in-process, so free of cross-process noise
         ratios["anchor_gather_over_binary_trl_time"] = round(gather / tim("binary_trl"), 4)
+    ran = set(variants)
     for ours in ("topk_anchor", "topk_fused"):
-        ratios[ours] = {
-            "naive_over_ours_memory": _ratio(mem("naive"), mem(ours)),
-            "memory_overhead_vs_binary_trl": None
-            if _ratio(mem(ours), mem("binary_trl")) is None
-            else round(_ratio(mem(ours), mem("binary_trl")) - 1, 3),
-            "memory_overhead_vs_binary_fused": None
-            if _ratio(mem(ours), mem("binary_fused")) is None
-            else round(_ratio(mem(ours), mem("binary_fused")) - 1, 3),
-            "time_over_binary_trl": _ratio(tim(ours), tim("binary_trl")),
-            "time_over_binary_fused": _ratio(tim(ours), tim("binary_fused")),
-            "cpu_time_over_binary_trl": _ratio(cpu(ours), cpu("binary_trl")),
-            "cpu_time_over_binary_fused": _ratio(cpu(ours), cpu("binary_fused")),
-            "naive_over_ours_time": _ratio(tim("naive"), tim(ours)),
+        if ours not in ran:
+            continue
+        # Only the comparisons whose variants were asked for: a null here means one of them failed.
+        pairs = {
+            "naive_over_ours_memory": ("naive", _ratio(mem("naive"), mem(ours))),
+            "memory_overhead_vs_binary_trl": ("binary_trl", _overhead(mem(ours), mem("binary_trl"))),
+            "memory_overhead_vs_binary_fused": ("binary_fused", _overhead(mem(ours), mem("binary_fused"))),
+            "time_over_binary_trl": ("binary_trl", _ratio(tim(ours), tim("binary_trl"))),
+            "time_over_binary_fused": ("binary_fused", _ratio(tim(ours), tim("binary_fused"))),
+            "cpu_time_over_binary_trl": ("binary_trl", _ratio(cpu(ours), cpu("binary_trl"))),
+            "cpu_time_over_binary_fused": ("binary_fused", _ratio(cpu(ours), cpu("binary_fused"))),
+            "naive_over_ours_time": ("naive", _ratio(tim("naive"), tim(ours))),
         }
+        ratios[ours] = {key: value for key, (other, value) in pairs.items() if other in ran}
     import torch
 
     N, H, V = args.n_tokens, args.hidden, args.vocab
-    print(
-        json.dumps(
-            {
-                "config": {
-                    "n_tokens": N,
-                    "hidden": H,
-                    "vocab": V,
-                    "k": args.k,
-                    "token_chunk": args.token_chunk,
-                    "anchor_chunk": args.anchor_chunk or "default",
-                    "vocab_tile": args.vocab_tile,
-                    "trl_token_chunk": 4096,
-                    "temperature": args.temperature,
-                    "frozen_weight": args.frozen_weight,
-                    "dtype": args.dtype,
-                    "device": args.device,
-                    "repeats": args.repeats,
-                    "threads": args.threads or torch.get_num_threads(),
-                    "torch": torch.__version__,
-                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"
-                    + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
-                },
-                "reference_sizes_mib": {
-                    "one_NxV_fp32": round(N * V * 4 / 2**20, 1),
-                    "grad_weight_VxH": round(V * H * (2 if args.dtype == "bfloat16" else 4) / 2**20, 1),
-                    "one_tile_fp32": round(min(N, args.token_chunk) * min(V, args.vocab_tile) * 4 / 2**20, 1),
-                },
-                "results": results,
-                "ratios": ratios,
-                "paired_timing": paired,
-            },
-            indent=1,
-        )
-    )
+    failed = sorted(name for name, r in {**results, "paired": paired or {}}.items() if "error" in r)
+    return {
+        "benchmark": "topk_memory",
+        "failed": failed,
+        "config": {
+            "n_tokens": N,
+            "hidden": H,
+            "vocab": V,
+            "k": args.k,
+            "token_chunk": args.token_chunk,
+            "anchor_chunk": args.anchor_chunk or "default",
+            "vocab_tile": args.vocab_tile,
+            "trl_token_chunk": 4096,
+            "temperature": args.temperature,
+            "frozen_weight": args.frozen_weight,
+            "dtype": args.dtype,
+            "device": args.device,
+            "repeats": args.repeats,
+            "threads": args.threads or torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"
+            + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+        },
+        "reference_sizes_mib": {
+            "one_NxV_fp32": round(N * V * 4 / 2**20, 1),
+            "grad_weight_VxH": round(V * H * (2 if args.dtype == "bfloat16" else 4) / 2**20, 1),
+            "one_tile_fp32": round(min(N, args.token_chunk) * min(V, args.vocab_tile) * 4 / 2**20, 1),
+        },
+        "results": results,
+        "ratios": ratios,
+        "paired_timing": paired,
+    }
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,19 +20,84 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def _run_script(name: str, *args: str, timeout: int = 600) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+def user_env() -> dict:
+    """The environment a user has after the README's set-up: the venv's python, no PYTHONPATH help."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def parse_one_json_object(stdout: str) -> dict:
+    """stdout must be one JSON object and nothing else: no notice before it, nothing after it."""
+    report = json.loads(stdout)  # raises on anything around the object
+    assert isinstance(report, dict), type(report)
+    return report
+
+
+def _run_script(name: str, *args: str, timeout: int = 600, expect_rc: int = 0) -> dict:
+    # As a user runs it: from the repository root, by relative path, with the venv's python.
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / name), *args],
-        env=env,
+        [sys.executable, f"benchmarks/{name}", *args],
+        cwd=REPO_ROOT,
+        env=user_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # The report is the last thing printed; libraries may log to stdout before it (DeepSpeed's accelerator notice).
-    start = proc.stdout.rfind("\n{\n") + 1 if not proc.stdout.startswith("{") else 0
-    return json.loads(proc.stdout[start:])
+    assert proc.returncode == expect_rc, proc.stderr[-4000:]
+    return parse_one_json_object(proc.stdout)
+
+
+def _no_nulls(value, path="ratios"):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _no_nulls(item, f"{path}.{key}")
+    else:
+        assert value is not None, path
+
+
+def test_topk_memory_runs_every_variant_from_the_repository_root():
+    # The default vocabulary (Qwen3's), everything else small but large enough for every peak to register in RSS;
+    # --paired adds the interleaved A vs binary worker.
+    report = _run_script("topk_memory.py", "--n-tokens", "256", "--hidden", "64", "--paired", "1")
+    assert report["failed"] == []
+    assert set(report["results"]) == {"naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused"}
+    for name, result in report["results"].items():
+        assert "error" not in result, (name, result)
+        assert _is_number(result["peak_extra_mib"]) and _is_number(result["time_s"]), name
+    assert "error" not in report["paired_timing"], report["paired_timing"]
+    assert set(report["ratios"]) == {"anchor_gather_over_binary_trl_time", "topk_anchor", "topk_fused"}
+    _no_nulls(report["ratios"])
+    assert report["config"]["vocab"] == 151936
+
+
+def test_topk_memory_subset_reports_only_its_comparisons():
+    report = _run_script(
+        "topk_memory.py", "--n-tokens", "32", "--hidden", "16", "--vocab", "2048", "--variants", "naive,topk_fused"
+    )
+    assert report["failed"] == [] and set(report["results"]) == {"naive", "topk_fused"}
+    # No comparison with a variant that was not asked for, so no null standing in for it.
+    assert set(report["ratios"]) == {"topk_fused"}
+    assert set(report["ratios"]["topk_fused"]) == {"naive_over_ours_memory", "naive_over_ours_time"}
+    _no_nulls(report["ratios"])
+
+
+def test_topk_memory_rejects_bad_sizes_and_reports_failed_workers():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/topk_memory.py", "--vocab-tile", "0"],
+        cwd=REPO_ROOT,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--vocab-tile must be >= 1" in proc.stderr and proc.stdout == ""
+    # A worker that dies is reported as an error entry (the driver then exits 1), never as a silent null.
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import topk_memory
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    failed = topk_memory._run_worker([sys.executable, "-c", "raise SystemExit('worker died')"], "naive")
+    assert failed == {"variant": "naive", "error": "worker died", "returncode": 1}
 
 
 @pytest.mark.vllm
@@ -62,6 +127,33 @@ def test_step_time_runs(tmp_path):
     for key in ("torch", "trl", "vllm"):
         assert report["versions"][key], key
     assert report["machine"]["cpu_count"] >= 1
+    # TRL defaults, one generation per optimizer step: GRPO recomputes π_old once per generation batch, DPPO never.
+    assert report["policy_forwards_per_generation"] == {"grpo": 1, "dppo": 0}
+    assert report["launcher"] == {"name": "python", "world_size": 1}
+    for threads in (report["threads"], report["trainers"]["dppo"]["threads_at_start"]):
+        assert threads["torch_threads"] >= 1 and "OMP_NUM_THREADS" in threads
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_step_time_counts_forwards_in_the_recipes_shape():
+    # The recipes' shape: steps_per_generation a multiple of GA, so one generation feeds several optimizer steps.
+    report = _run_script(
+        "step_time.py",
+        *("--steps", "2", "--warmup", "0", "--model-size", "tiny", "--completion-length", "8"),
+        *("--batch-size", "4", "--num-generations", "4"),
+        *("--gradient-accumulation-steps", "2", "--steps-per-generation", "8"),
+    )
+    config = report["config"]
+    assert (config["gradient_accumulation_steps"], config["steps_per_generation"]) == (2, 8)
+    assert config["optimizer_steps_per_generation"] == 4
+    for trainer in ("grpo", "dppo"):
+        result = report["trainers"][trainer]
+        assert result["generations_per_run"] == [1] and result["steps_per_generation"] == 8, trainer
+    # TRL recomputes π_old here even without its importance-sampling correction (GA is not a multiple of
+    # steps_per_generation); DPPO's μ comes from the engine, so it never needs that pass.
+    assert report["policy_forwards_per_generation"] == {"grpo": 1, "dppo": 0}
+    assert report["trainers"]["dppo"]["recomputes_old_logps"] is False
 
 
 @pytest.mark.vllm

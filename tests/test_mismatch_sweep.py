@@ -37,6 +37,10 @@ def quick_sweep(tmp_path_factory):
         result = json.load(f)
     errors = [r for r in result["runs"] if "error" in r]
     assert not errors, (errors, logs[-3000:])
+    # stdout is one JSON object (the table and progress go to stderr and sweep.md).
+    summary = json.loads(proc.stdout)
+    assert summary["benchmark"] == "mismatch_sweep" and summary["status"] == "complete"
+    assert summary["failed_runs"] == [] and summary["files"]["table"] == "sweep.md"
     return out, result
 
 

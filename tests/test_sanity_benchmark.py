@@ -35,6 +35,10 @@ def quick_run(tmp_path_factory):
     )
     logs = "".join((out / name).read_text() for name in os.listdir(out) if name.endswith(".log"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-3000:]
+    # stdout is one JSON object (the tables go to stderr and tables.md).
+    summary = json.loads(proc.stdout)
+    assert summary["benchmark"] == "sanity" and summary["failed_runs"] == []
+    assert set(summary["methods"]) == {"dppo_tv", "grpo_clip"} and summary["files"]["tables"] == "tables.md"
     return out
 
 

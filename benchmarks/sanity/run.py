@@ -753,5 +753,31 @@ def format_fig6_table(methods: dict) -> str:
     return "\n".join(rows)
 
 
+def stdout_summary(out: dict, output_dir: str) -> dict:
+    """The one JSON object printed on stdout: where the results are, each method's statistics and failed runs."""
+    return {
+        "benchmark": "sanity",
+        "output_dir": output_dir,
+        "files": {"results": "results.json", "tables": "tables.md", **out.get("plots", {})},
+        "wall_seconds": out.get("wall_seconds"),
+        "methods": {name: _rounded(entry["stats"]) for name, entry in out.get("methods", {}).items()},
+        "failed_runs": [
+            {"method": r.get("method"), "seed": r.get("seed"), "error": r["error"]}
+            for entry in out.get("methods", {}).values()
+            for r in entry["runs"]
+            if "error" in r
+        ],
+    }
+
+
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    from bench_env import emit_json, stdout_to_stderr
+
+    # Tables and progress go to stderr (the tables also to `tables.md`); stdout is one JSON object.
+    with stdout_to_stderr():
+        result = main()
+    if result:
+        summary = stdout_summary(result, parse_args().output_dir)
+        emit_json(summary)
+        sys.exit(1 if summary["failed_runs"] else 0)

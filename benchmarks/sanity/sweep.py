@@ -464,4 +464,23 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    # Tables and progress go to stderr (the table also to `sweep.md`); stdout is one JSON object.
+    from bench_env import emit_json, stdout_to_stderr
+
+    with stdout_to_stderr():
+        result = main()
+    emit_json(
+        {
+            "benchmark": "mismatch_sweep",
+            "output_dir": parse_args().output_dir,
+            "files": {"results": "sweep.json", "table": "sweep.md", "csv": "sweep.csv", "plot": result.get("plot")},
+            **{k: v for k, v in result.items() if k in ("status", "n_runs_planned", "n_runs_finished", "missing")},
+            "failed_runs": [
+                {"level": r.get("level"), "method": r.get("method"), "seed": r.get("seed"), "error": r["error"]}
+                for r in result.get("runs", [])
+                if "error" in r
+            ],
+            "cells": run._rounded(result.get("cells")),
+        }
+    )
+    sys.exit(0 if result.get("status") == "complete" else 1)
