@@ -19,8 +19,6 @@ python benchmarks/async_vs_sync.py --steps 4     # smoke
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import signal
 import sys
@@ -32,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bench_env import load_average, versions  # noqa: E402
+from bench_env import emit_json, launcher, load_average, stdout_to_stderr, thread_settings, versions  # noqa: E402
 from train_dapo_math_async import (  # noqa: E402
     TINY_MODEL_DIR,
     TINY_TRAIN_FILE,
@@ -43,20 +41,6 @@ from train_dapo_math_async import (  # noqa: E402
 
 from dapo_math.data import load_dapo_math  # noqa: E402
 from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
-
-
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Everything written to fd 1 (the trainer's progress logs, child processes) goes to stderr meanwhile."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _common(args, output_dir: str) -> dict:
@@ -189,7 +173,8 @@ def main() -> int:
         finally:
             stop_server(server)
     report["load_average_end"] = load_average()
-    print(json.dumps(report, indent=1))
+    report["launcher"], report["threads"] = launcher(), thread_settings()
+    emit_json(report, indent=1)
     return 1 if failed else 0
 
 

@@ -36,7 +36,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import requests  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
-from dapo_math.data import load_dapo_math  # noqa: E402
+from dapo_math.data import load_aime, load_dapo_math  # noqa: E402
+from dapo_math.evaluation import MathEvalCallback  # noqa: E402
 from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
 from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer  # noqa: E402
 
@@ -44,6 +45,7 @@ EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(EXAMPLES_DIR)
 TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
 TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
+TINY_TEST_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "test.jsonl")
 
 # The no-argument CPU run (applied only to options the user did not set).
 TINY_RUN_DEFAULTS = {
@@ -70,6 +72,15 @@ class AsyncScriptArguments:
     model_name_or_path: str = field(default=TINY_MODEL_DIR, metadata={"help": "Model to train (and to serve)."})
     dataset_name: str = field(default=TINY_TRAIN_FILE, metadata={"help": "DAPO-Math-17k id or a local file."})
     max_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training problems."})
+    eval_dataset: str | None = field(
+        default=TINY_TEST_FILE,
+        metadata={
+            "help": "Problems (`prompt`/`ground_truth`, a local file or Hub id) scored avg@k before and after "
+            "training with the trained policy (transformers generation, so the server's lag does not enter the "
+            "score); `none` skips it."
+        },
+    )
+    eval_num_samples: int = field(default=4, metadata={"help": "k: completions per evaluation problem."})
     start_server: bool | None = field(
         default=None,
         metadata={
@@ -155,6 +166,32 @@ def summarize(history: list[dict]) -> dict:
     }
 
 
+def evaluation_callback(trainer, script_args: AsyncScriptArguments, args: AsyncDPPOConfig):
+    """avg@k on `--eval_dataset` at the start and the end of training, sampled as training samples (`None`: off)."""
+    if not script_args.eval_dataset or script_args.eval_dataset.lower() == "none":
+        return None
+    from transformers import GenerationConfig
+
+    tokenizer = trainer.processing_class
+    generation_config = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    name = os.path.splitext(os.path.basename(script_args.eval_dataset.rstrip("/")))[0]
+    return MathEvalCallback(
+        trainer,
+        {name: load_aime(script_args.eval_dataset)},
+        num_samples=script_args.eval_num_samples,
+        generation_config=generation_config,
+        generation_attn_implementation="sdpa",
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = TrlParser((AsyncScriptArguments, AsyncDPPOConfig))
     argv = sys.argv[1:] if argv is None else argv
@@ -170,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = script_args.start_server if script_args.start_server is not None else not torch.cuda.is_available()
     dataset = load_dapo_math(script_args.dataset_name, max_samples=script_args.max_samples)
     dataset = dataset.remove_columns([c for c in dataset.column_names if c not in ("prompt", "ground_truth")])
-    server = None
+    server = evaluation = None
     if start:
         log_path = os.path.join(training_args.output_dir, "vllm_server.log")
         server, training_args.vllm_server_base_url = start_cpu_server(script_args.model_name_or_path, log_path)
@@ -182,12 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
             train_dataset=dataset,
             processing_class=load_tokenizer(script_args.model_name_or_path),
         )
+        evaluation = evaluation_callback(trainer, script_args, training_args)
+        if evaluation is not None:
+            trainer.add_callback(evaluation)
         trainer.train()
         trainer.save_model(training_args.output_dir)
     finally:
         if server is not None:
             stop_server(server)
     summary = summarize(trainer.state.log_history)
+    if evaluation is not None:
+        summary["eval"] = evaluation.history  # [{"step": 0, "eval/test/avg@4": ...}, {"step": N, ...}]
     print(json.dumps(summary))
     return summary
 

@@ -164,3 +164,17 @@ def test_topk_capture_runs():
     for key in ("generation_s", "conversion_us_per_token", "extract_logprobs_us_per_token"):
         assert _is_number(report[key]), key
     assert report["conversion_matches_reference"] is True
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_async_vs_sync_runs():
+    # Both variants against one real server, two optimizer steps each: the report a user gets, no figure compared.
+    report = _run_script(
+        "async_vs_sync.py", *("--steps", "2", "--samples_per_step", "8", "--num_generations", "4"), timeout=900
+    )
+    assert set(report["variants"]) == {"sync", "async"}
+    for name, result in report["variants"].items():
+        assert "error" not in result, (name, result)
+        _no_nulls(result, name)
+    assert report["launcher"] and report["threads"]

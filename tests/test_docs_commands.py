@@ -125,6 +125,26 @@ DECISIONS = {
     ".venv/bin/python benchmarks/sanity/sweep.py --quick --output-dir /tmp/sweep": Covered(
         "tests/test_mismatch_sweep.py"
     ),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods "
+    "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is --seeds 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19 --output-dir "
+    "benchmarks/sanity/results/mismatch_seeds --port-base 36000": CannotRun(
+        "150 runs, about 30 minutes of 2 cores (the committed results); the sweep's --quick form is covered"
+    ),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels kv=fp8_e5m2 --methods "
+    "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is --seeds 0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19 "
+    "--output-dir benchmarks/sanity/results/mismatch_engine --port-base 36200": CannotRun(
+        "100 runs, about 25 minutes of 2 cores (the committed results); the sweep's --quick form is covered"
+    ),
+    ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
+    "benchmarks/sanity/results/mismatch_seeds/sweep.json --levels none,noise=0.3 --output-dir "
+    "benchmarks/sanity/results/mismatch_seeds": Run(),
+    ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
+    "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_engine/sweep.json "
+    "--levels none,kv=fp8_e5m2 --test-levels kv=fp8_e5m2 --output-dir benchmarks/sanity/results/mismatch_engine": Run(),
+    # docs/async.md
+    ".venv/bin/python examples/train_dapo_math_async.py": Run(
+        ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
+    ),
     # docs/topk_memory.md
     ".venv/bin/python -m pytest tests/test_topk_logps.py -q": Run(("--collect-only",)),
     ".venv/bin/python benchmarks/topk_memory.py": Run(TOPK_SHRINK),

@@ -13,6 +13,7 @@ evaluation sees the exact sampler RL sees; otherwise it uses `generate` on the u
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 
@@ -39,6 +40,10 @@ class MathEvalCallback(TrainerCallback):
         eval_on_end: also evaluate after the last step (unless that step was just evaluated).
         reward_func: `(completions, ground_truth, **kw) -> list[float]`, 1.0 = correct.
         batch_size: prompts per `generate` call on the HF path (vLLM takes everything at once).
+        generation_config: sampling settings of the HF path; default: the trainer's own (`GRPOTrainer` has one; a
+            trainer without one, such as `AsyncDPPOTrainer`, must pass it).
+        generation_attn_implementation: attention used while the HF path generates, restored afterwards
+            (`AsyncDPPOTrainer` trains with packed tree attention, which cannot run `generate`); default: the model's.
     """
 
     def __init__(
@@ -51,6 +56,8 @@ class MathEvalCallback(TrainerCallback):
         eval_on_end: bool = True,
         reward_func: Callable[..., list[float]] = accuracy_reward,
         batch_size: int = 64,
+        generation_config=None,
+        generation_attn_implementation: str | None = None,
     ):
         self.trainer = trainer
         self.datasets = dict(datasets)
@@ -60,6 +67,8 @@ class MathEvalCallback(TrainerCallback):
         self.eval_on_end = eval_on_end
         self.reward_func = reward_func
         self.batch_size = batch_size
+        self.generation_config = generation_config
+        self.generation_attn_implementation = generation_attn_implementation
         self.history: list[dict] = []  # every evaluation, with its step
         self._last_eval_step: int | None = None
 
@@ -194,14 +203,17 @@ class MathEvalCallback(TrainerCallback):
 
         trainer = self.trainer
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        generation_config = getattr(trainer, "generation_config", None)
+        generation_config = self.generation_config or getattr(trainer, "generation_config", None)
         expanded = [ids for ids in prompt_ids for _ in range(k)]
         outputs: list[list[int]] = []
-        with unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=getattr(trainer.args, "ds3_gather_for_generation", True),
-        ) as unwrapped:
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=getattr(trainer.args, "ds3_gather_for_generation", True),
+            ) as unwrapped,
+            _attention(unwrapped, self.generation_attn_implementation),
+        ):
             device = next(unwrapped.parameters()).device
             for i in range(0, len(expanded), self.batch_size * k):
                 chunk = expanded[i : i + self.batch_size * k]
@@ -215,3 +227,17 @@ class MathEvalCallback(TrainerCallback):
                 )
                 outputs += out[:, width:].cpu().tolist()
         return outputs
+
+
+@contextlib.contextmanager
+def _attention(model, implementation: str | None):
+    """`model` with `implementation` as its attention for the block (`None`: unchanged), then its own again."""
+    previous = model.config._attn_implementation
+    if implementation is None or implementation == previous:
+        yield
+        return
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
