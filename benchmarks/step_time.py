@@ -336,6 +336,10 @@ def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Pa
     if args.steps_per_generation is not None:
         cmd += ["--steps-per-generation", str(args.steps_per_generation)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Both trainers under one thread setting: without OMP_NUM_THREADS, DPPOTrainer's CPU colocate path trains with one
+    # torch thread (dppo_trl.vllm_cpu.cpu_colocate_threads) while GRPOTrainer keeps torch's one per core, so the pair
+    # would compare thread counts, not trainers. Unset, it is 1 (what `accelerate launch` sets); export it to choose.
+    env.setdefault("OMP_NUM_THREADS", "1")
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
