@@ -99,7 +99,12 @@ def run_sync(args, url: str, dataset, output_dir: str) -> dict:
         delta_low=args.delta,
         delta_high=args.delta,
     )
-    trainer = DPPOTrainer(
+    return _train(DPPOTrainer, config, args, dataset)
+
+
+def _train(trainer_class, config, args, dataset) -> dict:
+    """Train the tiny model with `trainer_class` under `config` and summarise the run (the same for both variants)."""
+    trainer = trainer_class(
         model=TINY_MODEL_DIR,
         reward_funcs=[accuracy_reward, format_reward],
         args=config,
@@ -122,16 +127,7 @@ def run_async(args, url: str, dataset, output_dir: str) -> dict:
         delta_low=args.delta,
         delta_high=args.delta,
     )
-    trainer = AsyncDPPOTrainer(
-        model=TINY_MODEL_DIR,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=config,
-        train_dataset=dataset,
-        processing_class=load_tokenizer(TINY_MODEL_DIR),
-    )
-    start = time.perf_counter()
-    trainer.train()
-    return _summary(trainer.state.log_history, args.steps, args.samples_per_step, time.perf_counter() - start)
+    return _train(AsyncDPPOTrainer, config, args, dataset)
 
 
 def main() -> int:

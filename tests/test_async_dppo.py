@@ -9,7 +9,6 @@ config's refusals, and the loss seam's gradient against the parent's own loss (s
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import requests
 import torch
 from conftest import get_free_port
 from datasets import Dataset
+from train_dapo_math_async import stop_server  # the example's own: SIGTERM, then SIGKILL, to the session
 from trainer_setup import PROMPTS, byte_mean_reward
 
 from dppo_trl.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention, tree_attention_cpu
@@ -240,20 +240,6 @@ def test_loss_seam_gradient_matches_parent(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("async_server") / "server.log"
@@ -283,7 +269,7 @@ def server_url(tmp_path_factory):
             time.sleep(2)
         yield url
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 class _Recorder:
