@@ -378,9 +378,12 @@ def _measure(args, argv):
 
     ratios = {}
     gather = results.get("topk_anchor", {}).get("anchor_gather_s")
-    if gather is not None and tim("binary_trl"):
-        # Design B is binary_trl plus this no-grad gather; timed in-process, so free of cross-process noise
-        ratios["anchor_gather_over_binary_trl_time"] = round(gather / tim("binary_trl"), 4)
+    if gather is not None and tim("binary_trl") is not None:
+        # Design B is binary_trl plus this no-grad gather; timed in-process, so free of cross-process noise. A time
+        # that rounds to 0.0 leaves the ratio undefined (null), as `_ratio` does.
+        ratios["anchor_gather_over_binary_trl_time"] = (
+            round(gather / tim("binary_trl"), 4) if tim("binary_trl") else None
+        )
     ran = set(variants)
     for ours in ("topk_anchor", "topk_fused"):
         if ours not in ran:
