@@ -71,6 +71,7 @@ DECISIONS = {
     "pip install -e .[test,examples]": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
     ".venv/bin/python benchmarks/step_time.py": Covered("tests/test_benchmarks.py"),
     ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/test_benchmarks.py"),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")
@@ -227,8 +228,9 @@ def _rewrite(command: str, decision: Run, workdir: Path) -> list[str]:
         argv[0] = str(VENV_BIN / argv[0].removeprefix(".venv/bin/"))
     out = []
     for i, arg in enumerate(argv):
+        # Never the program: a clone under /tmp has its venv there too.
         is_output = i > 0 and argv[i - 1] in OUTPUT_OPTIONS
-        if is_output or arg.startswith(("outputs/", "/tmp/")):
+        if i > 0 and (is_output or arg.startswith(("outputs/", "/tmp/"))):
             arg = str(workdir / arg.lstrip("/"))
         out.append(arg)
     shrink = list(decision.shrink)
