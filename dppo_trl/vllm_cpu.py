@@ -484,8 +484,8 @@ def bind_colocate_weight_sync(vllm_generation: Any) -> bool:
     """Give this `VLLMGeneration` (colocate, vLLM CPU) the reload-based sync, on the instance only; True if bound."""
     if vllm_generation.mode != "colocate" or not is_vllm_cpu_platform():
         return False
-    if type(vllm_generation).sync_weights is _colocate_sync_weights_via_reload:
-        return False  # the class is patched process-wide already
+    # Bound even when the class is patched process-wide (`patch_trl_vllm_for_cpu`): whoever applied that patch may undo
+    # it while this engine is still training, and the engine needs the reload-based sync for its whole life.
     vllm_generation.sync_weights = types.MethodType(_colocate_sync_weights_via_reload, vllm_generation)
     return True
 

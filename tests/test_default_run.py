@@ -179,8 +179,10 @@ def test_default_run_masks_tokens_on_the_real_engine(default_run):
     trainer, out = default_run
     engine_dtype = resolve_vllm_cpu_dtype("auto")[0]
     assert str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) == f"torch.{engine_dtype}"
-    # The process-wide patch is back to the library's fp32 for later trainers.
-    assert PATCH_STATE.llm_defaults["dtype"] == "float32"
+    # The engine-dtype block leaves no process-wide patch behind for later trainers (DPPO's or TRL's) ...
+    assert not PATCH_STATE.applied
+    # ... while this trainer's engine keeps its reload-based weight sync, bound to the instance.
+    assert "sync_weights" in vars(trainer.vllm_generation)
 
     logs = [e for e in trainer.state.log_history if "dppo/mask_ratio" in e]
     assert [e["step"] for e in logs] == [1, 2, 3, 4]

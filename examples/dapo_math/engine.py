@@ -45,10 +45,10 @@ def vllm_cpu_engine_dtype(training_args, choice: str | None) -> Iterator[str | N
     setting does not apply).
 
     Applies only to `use_vllm` + `vllm_mode="colocate"` on vLLM's CPU platform (GPU engines keep TRL's behaviour);
-    `choice=None` keeps the library's float32. Build the trainer inside the block: the trainer's own
-    `patch_trl_vllm_for_cpu()` is then a no-op (the patch is idempotent). On exit the process-wide patch gets back the
-    engine defaults it had before (the library's when there were none), so later trainers in the same process are
-    unaffected, while the colocate weight sync the built engine needs stays patched.
+    `choice=None` keeps the library's float32. Build the trainer inside the block: its construction then finds the
+    engine defaults set here and keeps them. On exit the process is as before the block: the previous process-wide
+    patch when there was one, none otherwise (a trainer built inside keeps the reload-based weight sync bound to its
+    own engine), so later trainers in the same process, DPPO's or TRL's, are unaffected.
     """
     if choice is None or not (training_args.use_vllm and training_args.vllm_mode == "colocate"):
         yield None
@@ -72,9 +72,7 @@ def vllm_cpu_engine_dtype(training_args, choice: str | None) -> Iterator[str | N
         yield dtype
     finally:
         unpatch_trl_vllm_for_cpu()
-        if previous is None:
-            patch_trl_vllm_for_cpu()
-        else:
+        if previous is not None:
             defaults, forced = previous
             # `None` leaves an argument to vLLM, exactly as an absent key did.
             patch_trl_vllm_for_cpu(
