@@ -190,9 +190,10 @@ def _assert_synced_and_moving(history: list[dict], steps_per_generation: int) ->
     assert len(fresh) >= 2 and stale, history
     # Each generation starts from the trainer's current weights...
     assert max(fresh) <= FRESH_MISMATCH, fresh
-    # ...although the policy moved away from the server's copy in between: without the sync the second fresh step
-    # would see at least this much.
-    assert min(stale) > 10 * FRESH_MISMATCH, stale
+    # ...although the policy moved away from the server's copy in between: without the sync the next fresh step
+    # would see at least this much. The largest between-sync step shows it; any single one may barely move (a
+    # micro-batch whose groups all share one reward has zero advantages: CI saw 8.9e-4 next to 0.82).
+    assert max(stale) > 10 * FRESH_MISMATCH, stale
     for key in ("loss", "dppo/mask_ratio", "dppo/divergence_mean", "dppo/ratio_max", "dppo/mismatch_abs_max"):
         values = [e[key] for e in history if key in e]
         assert values and all(math.isfinite(v) for v in values), key
