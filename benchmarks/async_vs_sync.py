@@ -1,7 +1,7 @@
 """Asynchronous vs synchronous DPPO on the same model, data, reward and vLLM server: throughput, staleness, mask rate.
 
 Both variants train the bundled tiny math model on the bundled tiny math set for the same number of optimizer steps
-with the same samples per step, against one `python -m dppo_trl.vllm_server` process (started here):
+with the same samples per step, against one `python -m dppo_trl.backends.cpu.vllm_server` process (started here):
 
 - `sync`: `DPPOTrainer`, `vllm_mode="server"`, one generation batch per optimizer step (generation waits for the
   weights, training waits for generation);

@@ -125,7 +125,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
+    from dppo_trl.backends.cpu.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
 
     class StepTimer(TrainerCallback):
         """Wall-clock time of each optimizer step, generation included (TRL generates inside `training_step`)."""
@@ -337,7 +337,7 @@ def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Pa
         cmd += ["--steps-per-generation", str(args.steps_per_generation)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Both trainers under one thread setting: without OMP_NUM_THREADS, DPPOTrainer's CPU colocate path trains with one
-    # torch thread (dppo_trl.vllm_cpu.cpu_colocate_threads) while GRPOTrainer keeps torch's one per core, so the pair
+    # torch thread (dppo_trl.backends.cpu.vllm_cpu.cpu_colocate_threads) while GRPOTrainer keeps torch's one per core, so the pair
     # would compare thread counts, not trainers. Unset, it is 1 (what `accelerate launch` sets); export it to choose.
     env.setdefault("OMP_NUM_THREADS", "1")
     repo_root = str(Path(__file__).resolve().parents[1])

@@ -139,7 +139,7 @@ class _RssSampler(threading.Thread):
 def _make_step(variant, args, torch, timings):
     # Import only what the variant runs, so the naive and fused workers do not pay for TRL's import
     from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids
-    from dppo_trl.topk_logps import LogitTransform, logps_at_ids_from_sampled
+    from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled
 
     if variant in ("topk_anchor", "binary_trl"):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction

@@ -1,7 +1,7 @@
 """Top-K log-prob gathers that training does not use: design A and the full-logits references.
 
 - [`fused_linear_logps_at_ids`]: differentiable, chunked linear + log-softmax gather (design A). The trainer uses design
-  B ([`dppo_trl.topk_logps.logps_at_ids_from_sampled`]) instead, chosen by measurement (docs/topk_memory.md); design A
+  B ([`dppo_trl.kernels.topk_logps.logps_at_ids_from_sampled`]) instead, chosen by measurement (docs/topk_memory.md); design A
   stays as the benchmark's comparison point.
 - [`naive_logps_at_ids`], [`naive_topk_logps`]: full `[M, V]` logits references for the tests and the benchmark.
 """
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dppo_trl.topk_logps import (
+from dppo_trl.kernels.topk_logps import (
     LogitTransform,
     _acc_dtype,
     _check_inputs,

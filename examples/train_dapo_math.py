@@ -298,7 +298,7 @@ def main(
         )
         trainer.add_callback(eval_callback)
 
-    # The card names a local dataset by file name, marked local (dppo_trl/model_card.py).
+    # The card names a local dataset by file name, marked local (dppo_trl/hardening/model_card.py).
     dataset_for_card = script_args.dataset_name
     attach_recipe_to_model_card(
         trainer,

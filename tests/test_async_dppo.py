@@ -2,7 +2,7 @@
 
 Unit parts: the pure-PyTorch tree attention against SDPA on the unpacked sequences, its scoped registration, the
 config's refusals, and the loss seam's gradient against the parent's own loss (same normalisation). End to end: one
-`python -m dppo_trl.vllm_server` process serves the module; a binary-TV run (full fine-tuning) and a binary-KL run
+`python -m dppo_trl.backends.cpu.vllm_server` process serves the module; a binary-TV run (full fine-tuning) and a binary-KL run
 (LoRA, merged sync) train against it with TRL's real rollout worker and the file-based weight transfer.
 """
 
@@ -21,7 +21,7 @@ from datasets import Dataset
 from train_dapo_math_async import stop_server  # the example's own: SIGTERM, then SIGKILL, to the session
 from trainer_setup import PROMPTS, byte_mean_reward
 
-from dppo_trl.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention, tree_attention_cpu
+from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention, tree_attention_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
@@ -163,7 +163,7 @@ def _dataset() -> Dataset:
 def _batch(trainer, versions: list[int]):
     from trl.experimental.async_grpo.packing import TreeRow
 
-    from dppo_trl.async_trainer import _VERSION_KEY, _VersionedCollator
+    from dppo_trl.trainers.async_dppo_trainer import _VERSION_KEY, _VersionedCollator
 
     torch.manual_seed(0)
     row = TreeRow()
@@ -244,7 +244,7 @@ def test_loss_seam_gradient_matches_parent(tmp_path):
 def server_url(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("async_server") / "server.log"
     port = get_free_port()
-    command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
+    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
     command += ["--max-model-len", "256"]
     # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
     # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.

@@ -1,6 +1,6 @@
 """Each bad input fails before any model load or engine start, with a message naming the option and the fix.
 
-Trainer inputs (`dppo_trl/inputs.py`, run in `DPPOTrainer.__init__` before `GRPOTrainer.__init__`) and the example's
+Trainer inputs (`dppo_trl/hardening/inputs.py`, run in `DPPOTrainer.__init__` before `GRPOTrainer.__init__`) and the example's
 own checks (`examples/dapo_math/preflight.py`, run at the top of `main()`).
 """
 

@@ -1,4 +1,4 @@
-"""Tests for dppo_trl.baselines and dppo_trl.registry: each coefficient against the autograd of the method's own
+"""Tests for dppo_trl.core.baselines and dppo_trl.core.registry: each coefficient against the autograd of the method's own
 surrogate objective, and the registry's dispatch."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dppo_trl.baselines import (
+from dppo_trl.core.baselines import (
     CISPO_EPS_MAX,
     cispo_coefficient,
     dppo_decoupled_coefficient,
@@ -15,8 +15,8 @@ from dppo_trl.baselines import (
     pg_is_coefficient,
     relaxed_clip_coefficient,
 )
-from dppo_trl.registry import TRUST_REGIONS, trust_region_table
-from dppo_trl.trust_region import binary_tv, dppo_coefficient, ratio_coefficient, trust_region_mask
+from dppo_trl.core.divergence import binary_tv, dppo_coefficient, ratio_coefficient, trust_region_mask
+from dppo_trl.core.registry import TRUST_REGIONS, trust_region_table
 
 NEEDS_OLD_LOGPS = {name for name, entry in TRUST_REGIONS.items() if entry.needs_old_logps}
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from dppo_trl.behavior import PAD_ID, VLLMTopKCapture, topk_entries_to_tensors
+from dppo_trl.trainers.vllm_topk import PAD_ID, VLLMTopKCapture, topk_entries_to_tensors
 
 INF = math.inf
 NAN = math.nan

@@ -11,7 +11,7 @@ from trainer_setup import logged, make_trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.checkpoints import (
+from dppo_trl.hardening.checkpoints import (
     GenerationCycleResumeCheck,
     generation_cycle_offset,
     latest_complete_checkpoint,
@@ -19,7 +19,7 @@ from dppo_trl.checkpoints import (
     save_steps_hint,
     scan_checkpoints,
 )
-from dppo_trl.config import DPPOConfig
+from dppo_trl.trainers.config import DPPOConfig
 
 SAVES = dict(save_strategy="steps", save_steps=2, max_steps=4, logging_steps=1)
 # What a resume must reproduce: the loss and the reward of every step after the checkpoint.

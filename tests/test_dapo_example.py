@@ -62,7 +62,7 @@ def test_gpu_recipes_match_the_authors_batch_shape(example, recipe):
 @pytest.mark.parametrize("recipe", GPU_RECIPES, ids=os.path.basename)
 def test_gpu_recipes_save_on_generation_boundaries(example, recipe):
     """Their checkpoints resume exactly: save_steps is a multiple of the generation cycle (docs/api.md)."""
-    from dppo_trl.checkpoints import save_steps_hint
+    from dppo_trl.hardening.checkpoints import save_steps_hint
 
     _, args, _ = example.parse_args(["--config", recipe])
     assert args.save_strategy == "steps" and save_steps_hint(args) is None

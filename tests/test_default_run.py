@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dppo_trl.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
+from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")

@@ -1,4 +1,4 @@
-"""Launch checks (`dppo_trl.distributed`): launches accelerate would silently run as something else fail early.
+"""Launch checks (`dppo_trl.hardening.distributed`): launches accelerate would silently run as something else fail early.
 
 The real launches these errors describe are exercised in `tests/test_multiprocess.py`; here the inputs are passed
 explicitly so each case runs in one process.
@@ -9,7 +9,7 @@ from trainer_setup import ascii_reward, prompt_dataset
 
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.distributed import check_distributed_setup
+from dppo_trl.hardening.distributed import check_distributed_setup
 
 
 def _config(tmp_path, **kwargs):

@@ -93,7 +93,9 @@ DECISIONS = {
     "examples/recipes/qwen3_8b_base_dapo_math_server.yaml --vllm_server_host $VLLM_NODE_IP": CannotRun(
         "GPU-only: two 8-GPU training nodes and a vLLM node"
     ),
-    ".venv/bin/python -m dppo_trl.vllm_server --model examples/tiny_math_model --port 8000": Run(("--dry-run",)),
+    ".venv/bin/python -m dppo_trl.backends.cpu.vllm_server --model examples/tiny_math_model --port 8000": Run(
+        ("--dry-run",)
+    ),
     ".venv/bin/python examples/train_dapo_math.py --use_vllm --vllm_mode server --vllm_server_host 127.0.0.1 "
     "--vllm_server_port 8000 --output_dir outputs/tiny-math-server": Covered("tests/test_vllm_server.py"),
     ".venv/bin/torchrun --nproc_per_node 2 --master_port 29511 examples/train_dapo_math.py --use_vllm --vllm_mode "

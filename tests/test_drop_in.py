@@ -15,7 +15,7 @@ from trl.chat_template_utils import qwen3_chat_template
 
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.config import SUPPORTED_LOSS_TYPES
+from dppo_trl.trainers.config import SUPPORTED_LOSS_TYPES
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 

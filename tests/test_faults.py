@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from dppo_trl.checkpoints import checkpoint_step, scan_checkpoints
-from dppo_trl.preemption import PREEMPTED_EXIT_CODE
+from dppo_trl.hardening.checkpoints import checkpoint_step, scan_checkpoints
+from dppo_trl.hardening.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
@@ -128,7 +128,7 @@ def test_colocate_patches_stay_inside_their_trainer(tiny_model_dir, tmp_path, ma
     from trainer_setup import byte_mean_reward, make_trainer, prompt_dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from dppo_trl.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
+    from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
 
     if not is_vllm_cpu_platform() or PATCH_STATE.applied:
         pytest.skip("needs vLLM's CPU platform and no process-wide patch from an earlier test")
@@ -179,7 +179,7 @@ def test_failing_write_during_a_save_keeps_the_previous_checkpoint(tiny_model_di
     import torch
     from trainer_setup import byte_mean_reward, make_trainer
 
-    from dppo_trl.checkpoints import latest_complete_checkpoint
+    from dppo_trl.hardening.checkpoints import latest_complete_checkpoint
 
     out = tmp_path / "run"
     config = dict(reward_funcs=byte_mean_reward, save_strategy="steps", save_steps=1, steps_per_generation=1)

@@ -2,7 +2,7 @@
 
 A crafted batch puts tokens in each regime of eq. 12 (masked on either side, kept moves back toward μ, ratios above
 the cap, an engine log-prob the engine could not report), then compares the model's parameter gradients with the
-gradient of the literal eq.-11 loss built from `dppo_trl.trust_region` on full logits.
+gradient of the literal eq.-11 loss built from `dppo_trl.core.divergence` on full logits.
 """
 
 import math
@@ -14,8 +14,8 @@ from references import dppo_per_token_loss
 
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
-from dppo_trl.trust_region import compute_divergence, trust_region_mask
+from dppo_trl.core.divergence import compute_divergence, trust_region_mask
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
 
 PROMPT_LEN, COMPLETION_LEN = 3, 6
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.7, -1.5])
@@ -199,9 +199,9 @@ ABLATIONS = ["grpo_clip", "clip_higher", "cispo", "pg_is", "minirl", "dppo_decou
 
 @pytest.mark.parametrize("name", ABLATIONS)
 def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path, name):
-    """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.baselines)."""
-    from dppo_trl.registry import TRUST_REGIONS
-    from dppo_trl.trainer import RECOMPUTED_LOGPS
+    """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.core.baselines)."""
+    from dppo_trl.core.registry import TRUST_REGIONS
+    from dppo_trl.trainers.dppo_trainer import RECOMPUTED_LOGPS
 
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, trust_region=name, delta_low=0.02, delta_high=0.001)
     model = trainer.model
@@ -325,7 +325,7 @@ def test_loss_call_channel_is_scoped_and_metrics_are_logged_once(tiny_model_dir,
     after a failing call, and the instance's `get_off_policy_mask` is TRL's again."""
     from trl import GRPOTrainer
 
-    from dppo_trl.trainer import _SEAM_CALL
+    from dppo_trl.trainers.dppo_trainer import _SEAM_CALL
 
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path)
     model = trainer.model

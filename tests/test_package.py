@@ -131,7 +131,7 @@ def test_citation_matches_the_trainer_and_readme():
 
 
 def test_readme_states_the_declared_version_ranges():
-    from dppo_trl.trl_contract import TESTED_TRL_RANGE
+    from trl_contract import TESTED_TRL_RANGE
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     cfg = configparser.ConfigParser()

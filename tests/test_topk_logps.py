@@ -22,7 +22,7 @@ import torch
 
 from dppo_dev import topk_reference
 from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids, naive_topk_logps
-from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
+from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 
 # Both sides upcast the same (possibly bf16) values and compute in float32, so they differ only in summation order:
 # with H = 64 and logits of magnitude ≲ 10 that is ~1e-6 per logit, and log-probabilities (a difference of two

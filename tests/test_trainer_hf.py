@@ -110,7 +110,7 @@ def test_unusable_engine_logprobs_are_masked_and_counted(tiny_model_dir, tmp_pat
     """NaN / ±inf / positive engine log-probs never reach the loss as NaN: masked, counted, loss finite."""
     from trl import GRPOTrainer
 
-    from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
+    from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
 
     original = GRPOTrainer._generate_and_score_completions
     bad_values = [float("nan"), float("-inf"), float("inf"), 0.5, 1e-7]

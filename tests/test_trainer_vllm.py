@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 from trainer_setup import changed_parameters, logged, make_trainer, snapshot_trainable
 
-from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

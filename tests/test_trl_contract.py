@@ -1,4 +1,4 @@
-"""Contract tests: the TRL internals listed in `dppo_trl/trl_contract.py` still look the way DPPOTrainer expects."""
+"""Contract tests: the TRL internals listed in `tests/trl_contract.py` still look the way DPPOTrainer expects."""
 
 import dataclasses
 import inspect
@@ -6,13 +6,14 @@ import inspect
 import pytest
 import torch
 import trl
+import trl_contract
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation import vllm_generation
 from trl.trainer import utils as trl_utils
 
-from dppo_trl import DPPOConfig, DPPOTrainer, trl_contract
+from dppo_trl import DPPOConfig, DPPOTrainer
 
 
 def test_installed_trl_is_in_the_tested_range():
@@ -163,7 +164,7 @@ def test_generation_cycle_is_counted_in_training_steps():
 
 
 def test_processing_class_loading_arguments():
-    from dppo_trl.inputs import PROCESSING_CLASS_KWARGS
+    from dppo_trl.hardening.inputs import PROCESSING_CLASS_KWARGS
 
     source = inspect.getsource(GRPOTrainer.__init__)
     for fragment in trl_contract.PROCESSING_CLASS_FRAGMENTS:
@@ -190,7 +191,7 @@ def test_vllm_server_mode_contract():
     init_source = inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
     for fragment in trl_contract.VLLM_INIT_SERVER_FRAGMENTS:
         assert fragment in init_source, f"VLLMGeneration._init_vllm changed: missing {fragment!r}"
-    from dppo_trl.vllm_cpu import PATCH_STATE
+    from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE
 
     # TRL's own method, also when a colocate test earlier in this process swapped in the CPU colocate sync.
     sync_source = inspect.getsource(PATCH_STATE.original_sync_weights or vllm_generation.VLLMGeneration.sync_weights)
@@ -283,7 +284,7 @@ def test_get_off_policy_mask_called_on_the_class_is_trls():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Asynchronous trainer (dppo_trl/async_trainer.py, dppo_trl/async_cpu.py)
+# Asynchronous trainer (dppo_trl/trainers/async_dppo_trainer.py, dppo_trl/backends/cpu/async_cpu.py)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -294,7 +295,7 @@ def _async_module():
 
 
 def test_async_overridden_methods_keep_their_signatures():
-    from dppo_trl.async_trainer import AsyncDPPOTrainer
+    from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
 
     parent = _async_module().AsyncGRPOTrainer
     assert AsyncDPPOTrainer.__mro__[1] is parent
@@ -341,8 +342,8 @@ def test_async_packing_sample_worker_and_cpu_contract():
 
 
 def test_fault_handling_internals():
-    """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/preemption.py` and
-    `dppo_trl/vllm_cpu.py` use them."""
+    """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/hardening/preemption.py` and
+    `dppo_trl/backends/cpu/vllm_cpu.py` use them."""
     from transformers import trainer_jit_checkpoint
     from trl.generation import vllm_client
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from dppo_trl.vllm_cpu import (
+from dppo_trl.backends.cpu.vllm_cpu import (
     PATCH_STATE,
     _colocate_sync_weights_via_reload,
     is_vllm_cpu_platform,

@@ -1,5 +1,5 @@
-"""vLLM server mode on the CPU build, for real: `python -m dppo_trl.vllm_server` in its own process, trainers on 1 and 2
-ranks syncing weights through `dppo_trl.vllm_cpu`'s file path, and the shrunk multi-node server recipe.
+"""vLLM server mode on the CPU build, for real: `python -m dppo_trl.backends.cpu.vllm_server` in its own process, trainers on 1 and 2
+ranks syncing weights through `dppo_trl.backends.cpu.vllm_cpu`'s file path, and the shrunk multi-node server recipe.
 
 One server (the bundled tiny model, with an API key and `--max-logprobs 8`) serves the whole module: every trainer
 pushes its own weights before its first generation (`_last_loaded_step = -1`), so runs do not leak into each other.
@@ -22,8 +22,8 @@ from conftest import get_free_port
 from forward_count import count_generation_passes
 from trainer_setup import byte_mean_reward, logged, make_trainer
 
-from dppo_trl.trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
-from dppo_trl.vllm_server import WORKER_EXTENSION, build_server_command
+from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION, build_server_command
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
@@ -73,7 +73,7 @@ class Server:
 
 def _start_server(log_path: str) -> Server:
     port = get_free_port()
-    command = [sys.executable, "-m", "dppo_trl.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
+    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
     command += ["--max-logprobs", str(SERVER_MAX_LOGPROBS), "--max-model-len", "256"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -221,13 +221,13 @@ def test_launcher_binds_localhost_with_trl_flags(monkeypatch):
 
 
 def test_launcher_key_goes_through_the_environment_and_wide_bind_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="dppo_trl.vllm_server"):
+    with caplog.at_level(logging.WARNING, logger="dppo_trl.backends.cpu.vllm_server"):
         command, env = build_server_command(["--model", "m", "--api-key", "s3cret", "--host", "0.0.0.0"])
     assert env["VLLM_API_KEY"] == "s3cret" and "s3cret" not in command
     assert "--host 0.0.0.0" in " ".join(command)
     assert "development endpoints" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dppo_trl.vllm_server"):
+    with caplog.at_level(logging.WARNING, logger="dppo_trl.backends.cpu.vllm_server"):
         build_server_command(["--model", "m", "--host", "::1"])
     assert not caplog.text
 
@@ -244,7 +244,7 @@ def test_worker_extension_is_what_the_launcher_names():
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from dppo_trl.vllm_cpu import SERVER_RELOAD_METHOD, WeightReloadExtension
+    from dppo_trl.backends.cpu.vllm_cpu import SERVER_RELOAD_METHOD, WeightReloadExtension
 
     assert resolve_obj_by_qualname(WORKER_EXTENSION) is WeightReloadExtension
     assert callable(getattr(WeightReloadExtension, SERVER_RELOAD_METHOD))
@@ -259,7 +259,7 @@ def test_file_reload_refreshes_a_tied_head(tiny_tied_model_dir, master_port, mon
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from dppo_trl.vllm_cpu import reload_server_weights_from_file
+    from dppo_trl.backends.cpu.vllm_cpu import reload_server_weights_from_file
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)

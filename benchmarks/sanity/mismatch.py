@@ -22,7 +22,7 @@ another precision than the benchmark's bf16. A `--mismatch` level may combine bo
 
 Only matrices (ndim ≥ 2: linear layers, embeddings and the LM head) are perturbed, as weight-only quantization does;
 norm weights and biases pass through unchanged. The hook wraps the instance's `VLLMGeneration._iter_named_params`,
-the iterator every sync path consumes (TRL's own and `dppo_trl.vllm_cpu`'s colocate reload), so nothing of TRL's sync
+the iterator every sync path consumes (TRL's own and `dppo_trl.backends.cpu.vllm_cpu`'s colocate reload), so nothing of TRL's sync
 code is copied and PEFT merging still happens before the perturbation. TRL starts `_last_loaded_step` at -1, so the
 first generation syncs (and perturbs) before it samples: the engine never samples from the unperturbed checkpoint.
 """

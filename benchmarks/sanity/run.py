@@ -39,7 +39,7 @@ from dppo_dev.offline import set_offline_env  # noqa: E402
 
 set_offline_env()
 
-from dppo_trl.registry import TRUST_REGIONS  # noqa: E402
+from dppo_trl.core.registry import TRUST_REGIONS  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 DEFAULT_DATA = os.path.join(REPO_ROOT, "examples", "data", "tiny_math", "train.jsonl")
@@ -47,7 +47,7 @@ PORT_BASE = 29800  # the benchmark's block: 29800-29899
 
 # Method name -> DPPOConfig overrides. All share the μ-anchored data path; only the trust region differs: DPPO with
 # each binary divergence (δ = 0.15 TV / 0.05 KL, the authors'), the recompute anchor (§5.2 control), then every
-# baseline of `dppo_trl.registry.TRUST_REGIONS` (a baseline added there appears here by itself).
+# baseline of `dppo_trl.core.registry.TRUST_REGIONS` (a baseline added there appears here by itself).
 METHODS: dict[str, dict] = {
     "dppo_tv": {"divergence": "binary_tv"},
     "dppo_kl": {"divergence": "binary_kl"},
@@ -260,7 +260,7 @@ def worker(spec_path: str) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from dppo_trl.vllm_cpu import patch_trl_vllm_for_cpu
+    from dppo_trl.backends.cpu.vllm_cpu import patch_trl_vllm_for_cpu
 
     # Must precede the first trainer: the engine samples in bf16 while the trainer stays fp32 (the paper's mismatch).
     patch_trl_vllm_for_cpu(dtype="bfloat16")

@@ -1,6 +1,6 @@
 """The recipe section `train_dapo_math.py` appends to DPPOTrainer's model card: data, batch shape, curves, evals.
 
-Model and data are named with the card's own rules (`dppo_trl.model_card`: Hub id, or a local name marked local, never
+Model and data are named with the card's own rules (`dppo_trl.hardening.model_card`: Hub id, or a local name marked local, never
 an absolute path). The training curves are linked by file name, relative to the card, so the image renders on the
 Hub after `push_to_hub` (which uploads the output folder with the PNG in it).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from dppo_trl.model_card import base_model_for_card, dataset_for_card
+from dppo_trl.hardening.model_card import base_model_for_card, dataset_for_card
 
 CURVES_FILE = "training_curves.png"
 

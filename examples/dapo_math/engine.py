@@ -1,6 +1,6 @@
 """Which dtype the vLLM engine samples in when TRL's colocate mode runs on the CPU build of vLLM.
 
-`dppo_trl.vllm_cpu.patch_trl_vllm_for_cpu` builds the engine in float32 by default, so μ equals the fp32 trainer's π
+`dppo_trl.backends.cpu.vllm_cpu.patch_trl_vllm_for_cpu` builds the engine in float32 by default, so μ equals the fp32 trainer's π
 to ~1e-6. The recipe's CPU demo instead samples in bfloat16 like a GPU run does (bf16 engine, fp32 trainer): the
 training–inference mismatch DPPO's μ anchor exists for is then real, as it is at scale. `vllm_cpu_dtype`:
 
@@ -53,7 +53,12 @@ def vllm_cpu_engine_dtype(training_args, choice: str | None) -> Iterator[str | N
     if choice is None or not (training_args.use_vllm and training_args.vllm_mode == "colocate"):
         yield None
         return
-    from dppo_trl.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform, patch_trl_vllm_for_cpu, unpatch_trl_vllm_for_cpu
+    from dppo_trl.backends.cpu.vllm_cpu import (
+        PATCH_STATE,
+        is_vllm_cpu_platform,
+        patch_trl_vllm_for_cpu,
+        unpatch_trl_vllm_for_cpu,
+    )
 
     if not is_vllm_cpu_platform():
         yield None

@@ -193,7 +193,7 @@ class MathEvalCallback(TrainerCallback):
         if len(completion_ids) != len(repeated):
             raise RuntimeError(
                 f"vLLM returned {len(completion_ids)} completions for {len(prompt_ids)} problems x {k} samples; TRL's "
-                "`VLLMGeneration.generate` contract changed (see dppo_trl/trl_contract.py)."
+                "`VLLMGeneration.generate` contract changed (see tests/trl_contract.py)."
             )
         return [list(c) for c in completion_ids]
 

@@ -3,7 +3,7 @@
 - `--model_name_or_path` / `--dataset_name` / `--math_eval_datasets`: a value written as a path must exist; only a
   value that is not one is read as a Hub id (a model id must then be in the cache when `HF_HUB_OFFLINE=1`). Data
   files must hold at least one row.
-- `--max_completion_length` and the other trainer-input checks are DPPOTrainer's own (`dppo_trl/inputs.py`); the
+- `--max_completion_length` and the other trainer-input checks are DPPOTrainer's own (`dppo_trl/hardening/inputs.py`); the
   config-only ones run here too, before the data is loaded.
 - `--output_dir`: a run never silently writes over a previous one. A folder holding checkpoints or a trained model
   is used only with `--resume_from_checkpoint` (a path, or `true`/`latest` for the newest complete checkpoint) or
@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from dppo_trl.checkpoints import latest_complete_checkpoint, scan_checkpoints
-from dppo_trl.inputs import check_generation_config
-from dppo_trl.model_card import looks_like_local_path
+from dppo_trl.hardening.checkpoints import latest_complete_checkpoint, scan_checkpoints
+from dppo_trl.hardening.inputs import check_generation_config
+from dppo_trl.hardening.model_card import looks_like_local_path
 
 # Files that mean "a trained model lives here" (transformers / PEFT save names) or a previous run of this recipe.
 MODEL_FILES = (
@@ -125,7 +125,7 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
             f"--resume_from_checkpoint {value!r} is not a folder. Pass a checkpoint folder (e.g. "
             f"{os.path.join(output_dir, 'checkpoint-500')}) or `latest` for the newest complete one in --output_dir."
         )
-    from dppo_trl.checkpoints import is_complete_checkpoint
+    from dppo_trl.hardening.checkpoints import is_complete_checkpoint
 
     if not is_complete_checkpoint(path):
         raise ValueError(

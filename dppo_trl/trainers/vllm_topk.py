@@ -7,7 +7,7 @@ loss, and hands the trainer back the `logprobs=0` contract: one entry per token,
 
 Slot layout of the `(B, T, K + 1)` tensors built here: slot 0 is the sampled token y_t; slots 1..K are TopK(μ) without
 y_t, in rank order; unused slots hold id `-1` and log-prob `-inf`. So the slots list the distinct tokens of
-TopK(μ) ∪ {y_t}, as `dppo_trl.trust_region.topk_tv/topk_kl` expect.
+TopK(μ) ∪ {y_t}, as `dppo_trl.core.divergence.topk_tv/topk_kl` expect.
 """
 
 from __future__ import annotations

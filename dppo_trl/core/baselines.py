@@ -1,13 +1,13 @@
 """Baseline trust regions for the paper's ablations, as per-token policy-gradient coefficients.
 
-Each function has the form of DPPO's `dppo_trl.trust_region.dppo_coefficient` (eq. 11): it returns the detached
+Each function has the form of DPPO's `dppo_trl.core.divergence.dppo_coefficient` (eq. 11): it returns the detached
 coefficient `w_t` such that the method's per-token gradient is `−A_t · w_t · ∇log π(y_t)` (surrogate loss
 `−A_t · sg(w_t) · log π(y_t)`), float32 (float64 for float64 inputs), shape `(...)`. Ratios are formed in log space
 and clamped to the dtype's largest finite value, so π/μ up to e^80 (and beyond) never overflows.
 
 Inputs are sampled-token log-probabilities: `pi_logps` (π, the trainer policy), `mu_logps` (μ, the behavior policy
 that sampled) and, where needed, `old_logps` (π_old, the trainer's recompute of the weights that generated).
-Advantages broadcast against them. Which config fields each reads is in `dppo_trl.registry.TRUST_REGIONS`.
+Advantages broadcast against them. Which config fields each reads is in `dppo_trl.core.registry.TRUST_REGIONS`.
 
 | function                      | coefficient w                                                                   |
 |-------------------------------|---------------------------------------------------------------------------------|
@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-from dppo_trl.trust_region import (
+from dppo_trl.core.divergence import (
     _as_logp,
     _compute_dtype,
     _exp_clamped,

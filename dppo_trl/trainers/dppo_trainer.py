@@ -1,8 +1,8 @@
 """`DPPOTrainer`: GRPOTrainer with DPPO's divergence trust region anchored on the rollout engine's μ.
 
-The objective is `dppo_trl.trust_region.dppo_coefficient` (eq. 11): per completion token the gradient is
+The objective is `dppo_trl.core.divergence.dppo_coefficient` (eq. 11): per completion token the gradient is
 `−A · w · ∇log π` with `w = min(π/μ, C) · M` (eq. 12's mask on the divergences of eqs. 13-16). The ablation
-baselines of `dppo_trl.registry.TRUST_REGIONS` return a coefficient of the same form. This module is the glue that
+baselines of `dppo_trl.core.registry.TRUST_REGIONS` return a coefficient of the same form. This module is the glue that
 makes GRPOTrainer's own loss compute it, without copying any of it:
 
 GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`luspo` aggregations is
@@ -14,12 +14,12 @@ GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`lusp
 3. returns `m = w / r` from `get_off_policy_mask` (`parent_weight`), so the parent's term has gradient `−A·w·∇log π`.
    The hook stays TRL's static method (TRL's OPSM outside a DPPO loss call); the batch reaches it through the one
    per-call channel `_seam_call` (docs/theory.md). Every DPPO quantity (the view, `w`, D, the metrics, the observers'
-   view, the μ-KL term) comes from `dppo_trl.objective`, the core the asynchronous trainer shares.
+   view, the μ-KL term) comes from `dppo_trl.core.objective`, the core the asynchronous trainer shares.
 
 Every other part of the parent's loss — the aggregation (`loss_type`), β-KL against the reference, the entropy
 bonus, the entropy mask, the MoE router aux loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own.
 `tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`, for each
-aggregation, and `tests/test_trl_contract.py` pins the parent internals this relies on (`dppo_trl/trl_contract.py`).
+aggregation, and `tests/test_trl_contract.py` pins the parent internals this relies on (`tests/trl_contract.py`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from dppo_trl.behavior import VLLMTopKCapture, sanitize_behavior_logps
-from dppo_trl.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
-from dppo_trl.config import DPPOConfig
-from dppo_trl.distributed import check_distributed_setup
-from dppo_trl.inputs import check_trainer_inputs
-from dppo_trl.model_card import dataset_for_card, finish_model_card
-from dppo_trl.objective import (
+from dppo_trl.backends.cpu.vllm_cpu import (
+    bind_colocate_weight_sync,
+    bound_server_requests,
+    cpu_colocate_threads,
+    trainer_construction_patches,
+    trainer_cpu_threads,
+)
+from dppo_trl.core.objective import (
     TokenView,
     aggregate_per_token_loss,
     mu_kl_per_token,
@@ -54,16 +55,15 @@ from dppo_trl.objective import (
     trust_region_metrics,
     trust_region_stats,
 )
-from dppo_trl.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
-from dppo_trl.registry import TRUST_REGIONS
-from dppo_trl.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
-from dppo_trl.vllm_cpu import (
-    bind_colocate_weight_sync,
-    bound_server_requests,
-    cpu_colocate_threads,
-    trainer_construction_patches,
-    trainer_cpu_threads,
-)
+from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
+from dppo_trl.hardening.distributed import check_distributed_setup
+from dppo_trl.hardening.inputs import check_trainer_inputs
+from dppo_trl.hardening.model_card import dataset_for_card, finish_model_card
+from dppo_trl.hardening.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
+from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
+from dppo_trl.trainers.config import DPPOConfig
+from dppo_trl.trainers.vllm_topk import VLLMTopKCapture, sanitize_behavior_logps
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class DPPOTrainer(GRPOTrainer):
 
     def _discards_parent_old_logps(self) -> bool:
         """Whether GRPOTrainer's no-grad π_old pass would be thrown away: μ comes from the engine (vLLM colocate or
-        server, or a `rollout_func`), DPPO anchors on it, and no trust region of `dppo_trl.registry` asks for π_old.
+        server, or a `rollout_func`), DPPO anchors on it, and no trust region of `dppo_trl.core.registry` asks for π_old.
 
         Kept: `anchor="recompute"` (the ablation anchors on π_old), `needs_old_logps` entries, and transformers
         generation, where the parent's recompute of the generating weights *is* μ.
@@ -261,7 +261,7 @@ class DPPOTrainer(GRPOTrainer):
 
         GRPOTrainer recomputes π_old when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`
         (or for vLLM IS correction, which `DPPOConfig` refuses with `anchor="behavior"`). Inside that method
-        `self.num_iterations` is read only by this condition (pinned in `dppo_trl/trl_contract.py`), so an exact
+        `self.num_iterations` is read only by this condition (pinned in `tests/trl_contract.py`), so an exact
         `Fraction(GA, steps_per_generation)` makes the modulus 0 for any shape; the integer is restored on exit.
         Nothing else changes: the reference pass (β > 0), rewards and advantages are the parent's as before.
         Chosen over declining the policy call in `_get_per_token_logps_and_entropies`: the PEFT reference pass makes
@@ -352,7 +352,7 @@ class DPPOTrainer(GRPOTrainer):
         return call.on_mask(call, advantages, per_token_logps, sampling_per_token_logps, mask)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card with honest provenance and versions (`dppo_trl/model_card.py`), plus the DPPO settings."""
+        """TRL's model card with honest provenance and versions (`dppo_trl/hardening/model_card.py`), plus the DPPO settings."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += ["dppo", f"dppo-{self.args.divergence.replace('_', '-')}"]
         model_name = model_name or (self.args.hub_model_id or os.path.normpath(self.args.output_dir)).split("/")[-1]
@@ -376,7 +376,7 @@ class DPPOTrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         """Parent's `train`; a CPU trainer with a colocated vLLM engine trains with a bounded thread count (restored
         afterwards), and a run stopped by SIGTERM (`enable_jit_checkpoint`) raises `TrainingPreempted` (exit 143)
-        after its checkpoint instead of returning as if it had finished (`dppo_trl/preemption.py`)."""
+        after its checkpoint instead of returning as if it had finished (`dppo_trl/hardening/preemption.py`)."""
         threads = None
         if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
             threads = cpu_colocate_threads(self.accelerator.num_processes)
@@ -413,7 +413,7 @@ class DPPOTrainer(GRPOTrainer):
             ) from error
 
     def _save_checkpoint(self, model, trial):
-        """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/checkpoints.py`)."""
+        """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/hardening/checkpoints.py`)."""
         with staged_checkpoint(self, trial):
             super()._save_checkpoint(model, trial)
 
@@ -596,7 +596,7 @@ class DPPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"The vLLM server runs with `--logprobs-mode {model_config.get('logprobs_mode')}`: its log-probs are "
                 "not the distribution it sampled from, so they cannot anchor DPPO. Restart `trl vllm-serve` (GPU) with "
-                "`--logprobs-mode processed_logprobs`, or use `python -m dppo_trl.vllm_server` (CPU), which sets it."
+                "`--logprobs-mode processed_logprobs`, or use `python -m dppo_trl.backends.cpu.vllm_server` (CPU), which sets it."
             )
         max_logprobs = model_config.get("max_logprobs")
         k = self.args.divergence_top_k
@@ -643,7 +643,7 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
         )
-    check_trainer_inputs(config, params)  # datasets, chat template, lengths (dppo_trl/inputs.py)
+    check_trainer_inputs(config, params)  # datasets, chat template, lengths (dppo_trl/hardening/inputs.py)
 
 
 def _with_behavior_invariants(inputs: dict) -> dict:

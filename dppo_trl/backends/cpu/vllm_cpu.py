@@ -20,7 +20,7 @@ Four things break there without help:
 `patch_trl_vllm_for_cpu()` applies both patches (engine defaults and colocate weight sync); it is idempotent and a
 no-op off the CPU platform unless forced. `PATCH_STATE` records what was patched.
 
-Server mode (`vllm_mode="server"`, a server started with `python -m dppo_trl.vllm_server`) has a fifth problem: TRL
+Server mode (`vllm_mode="server"`, a server started with `python -m dppo_trl.backends.cpu.vllm_server`) has a fifth problem: TRL
 pushes weights over an NCCL group (`VLLMClient.init_communicator` raises on a CPU trainer) and vLLM has no CPU
 weight-transfer backend. `patch_trl_vllm_server_for_cpu()` swaps in a `VLLMClient` subclass that, when the trainer's
 device is the CPU, skips the communicator and receives TRL's own weight stream (`sync_weights` is untouched, so every
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from dppo_trl.vllm_server import WORKER_EXTENSION
+from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -299,8 +299,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 class WeightReloadExtension:
-    """vLLM worker extension (`--worker-extension-cls dppo_trl.vllm_cpu.WeightReloadExtension`, which
-    `python -m dppo_trl.vllm_server` passes) adding the server-side half of the CPU weight sync.
+    """vLLM worker extension (`--worker-extension-cls dppo_trl.backends.cpu.vllm_cpu.WeightReloadExtension`, which
+    `python -m dppo_trl.backends.cpu.vllm_server` passes) adding the server-side half of the CPU weight sync.
 
     vLLM's own `reload_weights` over `/collective_rpc` leaves a tied LM head serving its old CPU-prepacked weights
     (measured: log-prob error ~1 after a sync) and MoE experts unpacked; this method reloads through the same
@@ -375,7 +375,7 @@ def _cpu_sync_client_class(base: Any) -> Any:
                 raise RuntimeError(
                     f"The vLLM server at {self.base_url} cannot take weights from a CPU trainer: it runs without "
                     f"`--worker-extension-cls {WORKER_EXTENSION}` (found {extension!r}). Start it with "
-                    "`python -m dppo_trl.vllm_server --model ...`, which sets it, or add that option to its command."
+                    "`python -m dppo_trl.backends.cpu.vllm_server --model ...`, which sets it, or add that option to its command."
                 )
             self.file_sync = True
             logger.info("CPU trainer: vLLM server weights are synced through a safetensors file and reload_weights.")

@@ -39,7 +39,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
 # Of those, the static methods: DPPOTrainer keeps them static with the same signature, and called on the class (outside
 # a DPPO loss call) they are TRL's own. `get_off_policy_mask` is the seam the DPPO weight goes through: the parent's
 # `_compute_loss` calls it as `self.get_off_policy_mask(...)` with π, and DPPOTrainer's static wrapper returns the DPPO
-# weight only inside the `_SeamCall` its `_compute_loss` opened (dppo_trl/trainer.py).
+# weight only inside the `_SeamCall` its `_compute_loss` opened (dppo_trl/trainers/dppo_trainer.py).
 STATIC_METHODS = ("get_off_policy_mask",)
 
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
@@ -53,13 +53,13 @@ TRAINER_ATTRIBUTES = (
     "temperature",
     "accelerator",
     "model",
-    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.objective.aggregate_per_token_loss)
+    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.core.objective.aggregate_per_token_loss)
     "max_completion_length",
     "current_gradient_accumulation_steps",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
 
-# Source fragments of GRPOTrainer._compute_loss the DPPO loss composition depends on (see dppo_trl/trainer.py).
+# Source fragments of GRPOTrainer._compute_loss the DPPO loss composition depends on (see dppo_trl/trainers/dppo_trainer.py).
 COMPUTE_LOSS_FRAGMENTS = (
     'inputs.get("old_per_token_logps")',  # μ is read from here, `per_token_logps.detach()` when absent
     "per_token_logps.detach() if old_per_token_logps is None",
@@ -69,7 +69,7 @@ COMPUTE_LOSS_FRAGMENTS = (
     "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
     "if advantages.dim() == 1:",
 )
-# GRPOTrainer's aggregation of the policy term, which `dppo_trl.objective.aggregate_per_token_loss` reproduces for the
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.objective.aggregate_per_token_loss` reproduces for the
 # μ-KL term (behaviourally pinned by tests/test_mu_kl.py with one process; these pin the multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
@@ -130,7 +130,7 @@ CONFIG_FIELDS = (
 # Helpers imported from `trl.trainer.utils`.
 UTILS = ("maybe_gather_lm_head_ctx", "add_fused_lm_head", "shuffle_sequence_dict", "split_tensor_dict")
 
-# Checkpoints (dppo_trl/checkpoints.py): transformers' `_save_checkpoint` writes every file under
+# Checkpoints (dppo_trl/hardening/checkpoints.py): transformers' `_save_checkpoint` writes every file under
 # `self._get_output_dir(trial=trial)` (which `staged_checkpoint` points at a staging folder) and rotates there;
 # GRPOTrainer's override writes its extra state through the same call.
 TRAINER_SAVE_CHECKPOINT_FRAGMENTS = (
@@ -145,21 +145,21 @@ PREPARE_INPUTS_FRAGMENTS = (
     "generate_every = self.args.steps_per_generation * self.num_iterations",
     "if self._step % generate_every == 0 or self._buffered_inputs is None:",
 )
-# Inputs (dppo_trl/inputs.py): GRPOTrainer loads a missing processing class with these arguments, after the model.
+# Inputs (dppo_trl/hardening/inputs.py): GRPOTrainer loads a missing processing class with these arguments, after the model.
 PROCESSING_CLASS_FRAGMENTS = (
     "if processing_class is None:",
     "processing_class = AutoProcessor.from_pretrained(",
     'truncation_side="left",',
     'padding_side="left",',
 )
-# Model card (dppo_trl/model_card.py rewrites these parts of TRL's template).
+# Model card (dppo_trl/hardening/model_card.py rewrites these parts of TRL's template).
 MODEL_CARD_TEMPLATE_FRAGMENTS = (
     "This model is a fine-tuned version of",
     "## Quick start",
     "## Training procedure",
     "### Framework versions\n\n- TRL:",
 )
-# vLLM server mode on a CPU trainer (`dppo_trl/vllm_cpu.py`, `dppo_trl/vllm_server.py`). `_init_vllm` builds its
+# vLLM server mode on a CPU trainer (`dppo_trl/backends/cpu/vllm_cpu.py`, `dppo_trl/backends/cpu/vllm_server.py`). `_init_vllm` builds its
 # client through the module-level name `VLLMClient` (which DPPO swaps for a subclass), then calls `init_communicator`
 # with the trainer's device; `sync_weights` streams TRL's own parameter iterator into `update_named_params` on rank 0
 # (every rank iterates) and resets the prefix cache afterwards.
@@ -208,7 +208,7 @@ NUM_ITERATIONS_READERS = (
 )
 OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
 # `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
-# (`dppo_trl/config.py`, SUPPORTED_LOSS_TYPES).
+# (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).
 LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
 # `use_liger_kernel`: GRPOTrainer.__init__ raises its own errors (an adapter on lm_head, Liger's fused cross-entropy)
 # and transformers applies the kernels in `Trainer.train`, not in `__init__`; DPPOTrainer refuses a non-CUDA device in
@@ -220,8 +220,8 @@ LIGER_GRPO_INIT_FRAGMENTS = (
 LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"
 
 # ---------------------------------------------------------------------------------------------------------------------
-# TRL's experimental asynchronous trainer (`trl.experimental.async_grpo`), relied on by dppo_trl/async_trainer.py and
-# dppo_trl/async_cpu.py.
+# TRL's experimental asynchronous trainer (`trl.experimental.async_grpo`), relied on by dppo_trl/trainers/async_dppo_trainer.py and
+# dppo_trl/backends/cpu/async_cpu.py.
 # ---------------------------------------------------------------------------------------------------------------------
 ASYNC_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 # AsyncGRPOTrainer methods AsyncDPPOTrainer overrides (thin wrappers calling super()), with their parameters.
@@ -285,7 +285,7 @@ ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics", "old_log_probs", "advantage
 # Trainer attributes read: the version counter (bumped on the main process after each sync), the metric sink.
 ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics", "accelerator", "rollout_queue", "weight_transfer")
 # CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
-# kwargs (dppo_trl.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
+# kwargs (dppo_trl.backends.cpu.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
 ASYNC_PEAK_FLOPS_SYMBOL = "get_peak_flops_per_device"
 TREE_ATTENTION_NAME = "tree_fa3"
 TREE_ATTENTION_PARAMS = (
@@ -302,7 +302,7 @@ WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "res
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
 
-# Faults (`dppo_trl/preemption.py`, `bound_server_requests`, `trainer_construction_patches`). transformers' SIGTERM
+# Faults (`dppo_trl/hardening/preemption.py`, `bound_server_requests`, `trainer_construction_patches`). transformers' SIGTERM
 # support: `JITCheckpointCallback.jit_manager` (a `CheckpointManager`) writes a checkpoint through
 # `execute_jit_checkpoint`, which calls the Trainer's `_save_checkpoint`. TRL's client mounts one retrying
 # `HTTPAdapter` on its session and sends without a timeout. TRL's module symbols `LLM` and `VLLMClient` are read

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from dppo_trl.baselines import (
+from dppo_trl.core.baselines import (
     cispo_coefficient,
     dppo_decoupled_coefficient,
     grpo_clip_coefficient,
@@ -22,7 +22,7 @@ from dppo_trl.baselines import (
     pg_is_coefficient,
     relaxed_clip_coefficient,
 )
-from dppo_trl.trust_region import dppo_coefficient
+from dppo_trl.core.divergence import dppo_coefficient
 
 _DPPO_FIELDS = {"divergence": "divergence", "delta_low": "delta_low", "delta_high": "delta_high"}
 _CLIP_FIELDS = {"eps_low": "epsilon", "eps_high": "epsilon"}
@@ -42,7 +42,7 @@ class TrustRegion:
         uses_top_k: accepts `pi_topk_logps`/`mu_topk_logps` (the top-K divergences); the others are sampled-token
             methods and reject `divergence='topk_*'`.
         takes_divergence: accepts `div`, the divergence D(π, μ) of `DPPOConfig.divergence` precomputed by
-            `dppo_trl.objective.trust_region_coefficient` (computed once per loss call, also used by the metrics).
+            `dppo_trl.core.objective.trust_region_coefficient` (computed once per loss call, also used by the metrics).
     """
 
     coefficient: Callable[..., Tensor]

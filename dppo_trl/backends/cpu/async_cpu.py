@@ -16,9 +16,9 @@ A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_f
 `cpu_tree_attention()` (TRL's constructor registers its FA3 function, so the CPU one goes in afterwards), with
 `weight_transfer=FileWeightTransfer(...)`; `dppo_trl.AsyncDPPOTrainer` does all three itself.
 3. **NCCL weight transfer.** `FileWeightTransfer` implements TRL's `WeightTransferProtocol` with the file-based
-   reload CPU server mode already uses (`dppo_trl.vllm_cpu.reload_server_weights_from_file`: a safetensors file in a
+   reload CPU server mode already uses (`dppo_trl.backends.cpu.vllm_cpu.reload_server_weights_from_file`: a safetensors file in a
    private temporary directory, reloaded by the server's `WeightReloadExtension` over `/collective_rpc`). The server
-   is `python -m dppo_trl.vllm_server` (processed log-probs, development endpoints, the worker extension).
+   is `python -m dppo_trl.backends.cpu.vllm_server` (processed log-probs, development endpoints, the worker extension).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import requests
 import torch
 
-from dppo_trl.vllm_cpu import API_KEY_ENV, reload_server_weights_from_file
+from dppo_trl.backends.cpu.vllm_cpu import API_KEY_ENV, reload_server_weights_from_file
 
 __all__ = [
     "FileWeightTransfer",
@@ -166,7 +166,7 @@ class _ReloadPoster:
 
 class FileWeightTransfer:
     """TRL's `WeightTransferProtocol` over a file instead of NCCL, for a CPU trainer and a
-    `python -m dppo_trl.vllm_server` server on the same machine (or sharing `$TMPDIR`).
+    `python -m dppo_trl.backends.cpu.vllm_server` server on the same machine (or sharing `$TMPDIR`).
 
     `pause`/`resume` are the server's own `/pause?mode=keep` and `/resume` (in-flight requests are frozen, not
     dropped); `send_weights` writes the streamed parameters to a safetensors file the server reloads in place.
@@ -185,7 +185,7 @@ class FileWeightTransfer:
         if "WeightReloadExtension" not in str(worker_ext):
             raise RuntimeError(
                 f"The vLLM server at {self.vllm.server_url} has no `WeightReloadExtension` worker extension, so a CPU "
-                "trainer cannot sync weights to it. Start it with `python -m dppo_trl.vllm_server --model ...`."
+                "trainer cannot sync weights to it. Start it with `python -m dppo_trl.backends.cpu.vllm_server --model ...`."
             )
 
     def pause(self) -> None:

@@ -5,14 +5,14 @@ functions with explicit per-call inputs and differ only in how they reach their 
 
 1. build a `TokenView` of the loss call (π, μ, A, which tokens count, μ's validity, and the optional extras);
 2. `trust_region_coefficient(args, view)` → `(coef, divergence)`: the detached coefficient `w` of eq. 11 (or of the
-   selected ablation of `dppo_trl.registry.TRUST_REGIONS`) and D(π, μ) of eqs. 13-16, computed once;
+   selected ablation of `dppo_trl.core.registry.TRUST_REGIONS`) and D(π, μ) of eqs. 13-16, computed once;
 3. turn `coef` into whatever the parent multiplies (`DPPOTrainer`: `parent_weight`);
 4. optionally add the μ-KL term (`mu_kl_per_token`, aggregated by `aggregate_per_token_loss` exactly as the
    parent aggregates its policy term);
 5. after the parent's loss: `trust_region_stats` (local sums and maxima), reduced across processes by
    `trust_region_metrics`, and `observer_record` for `trust_region_observers`.
 
-The math itself lives in `dppo_trl.trust_region` (eqs. 11-16 and the μ-KL penalty) and `dppo_trl.baselines`.
+The math itself lives in `dppo_trl.core.divergence` (eqs. 11-16 and the μ-KL penalty) and `dppo_trl.core.baselines`.
 
 Relative to the API first agreed for this module: `trust_region_stats` takes a keyword `max_staleness` (every process
 must use the same staleness buckets); added are `TokenView.counted`, `effective_divergence`, `mu_kl_per_token`,
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dppo_trl.registry import TRUST_REGIONS
-from dppo_trl.trust_region import binary_kl, compute_divergence, mu_kl_penalty
+from dppo_trl.core.divergence import binary_kl, compute_divergence, mu_kl_penalty
+from dppo_trl.core.registry import TRUST_REGIONS
 
 # Coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN. DPPO's own
 # coefficient is already capped at `ratio_cap`.
@@ -49,7 +49,7 @@ class TokenView:
 
     Attributes:
         pi_logps: log π(y_t) of the current policy.
-        mu_logps: log μ(y_t), already sanitised (`dppo_trl.behavior.sanitize_behavior_logps`: finite where valid).
+        mu_logps: log μ(y_t), already sanitised (`dppo_trl.trainers.vllm_topk.sanitize_behavior_logps`: finite where valid).
         advantages: A, `(B, T)`, `(B, 1)` or `(B,)` (one value per sequence).
         tokens: bool, the completion tokens the loss counts (`completion_mask * tool_mask`).
         valid: bool, μ is valid at that token (the engine reported a finite log-prob).
@@ -122,7 +122,7 @@ def trust_region_coefficient(args: Any, view: TokenView) -> tuple[Tensor, Tensor
 
 
 def mu_kl_per_token(args: Any, pi_logps: Tensor, mu_logps: Tensor, counted: Tensor) -> Tensor:
-    """`mu_kl_coef · (log π − log μ)²` (`dppo_trl.trust_region.mu_kl_penalty`) on counted tokens with a valid μ, 0
+    """`mu_kl_coef · (log π − log μ)²` (`dppo_trl.core.divergence.mu_kl_penalty`) on counted tokens with a valid μ, 0
     elsewhere (also where μ is NaN). Keeps `pi_logps`' graph: aggregate it with `aggregate_per_token_loss`."""
     counted = counted.bool()
     # μ := π outside `counted` first: a NaN there would otherwise reach the gradient (0 · NaN) through `where`.

@@ -9,8 +9,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from dppo_trl.registry import TRUST_REGIONS
-from dppo_trl.trust_region import DIVERGENCES, default_delta
+from dppo_trl.core.divergence import DIVERGENCES, default_delta
+from dppo_trl.core.registry import TRUST_REGIONS
 
 # vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
 VLLM_COLOCATE_MAX_LOGPROBS = 20
@@ -115,7 +115,7 @@ class DPPOConfig(GRPOConfig):
         > Parameters for ablations (the paper's §5-6 baselines on the same μ-anchored data path)
 
         trust_region (`str`, *optional*, defaults to `"dppo"`):
-            Replace DPPO's trust region by a baseline of `dppo_trl.registry.TRUST_REGIONS`: `grpo_clip`,
+            Replace DPPO's trust region by a baseline of `dppo_trl.core.registry.TRUST_REGIONS`: `grpo_clip`,
             `clip_higher`, `cispo`, `pg_is`, `minirl`, `dppo_decoupled`, `relax_low`/`relax_high`/`relax_both`.
         relax_alpha (`float`, *optional*, defaults to `0.1`):
             α of the `relax_*` ablations: tokens with μ < α are relaxed.
@@ -157,7 +157,7 @@ class DPPOConfig(GRPOConfig):
         default=20,
         metadata={
             "help": "K for the top-K divergences: how many of μ's most likely tokens the engine reports per position. "
-            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server (or `python -m dppo_trl.vllm_server` on CPU) must run "
+            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server (or `python -m dppo_trl.backends.cpu.vllm_server` on CPU) must run "
             "with `--max-logprobs` ≥ K. Ignored by the binary divergences."
         },
     )
@@ -195,7 +195,7 @@ class DPPOConfig(GRPOConfig):
             "mask), `pg_is` (no trust region), `minirl` (clip on π/π_old, IS π_old/μ), `dppo_decoupled` (mask from "
             "D(π, π_old)), `relax_low`/`relax_high`/`relax_both` (GRPO clip with the negative/positive/both sides "
             "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). The list is "
-            "`dppo_trl.registry.TRUST_REGIONS`.",
+            "`dppo_trl.core.registry.TRUST_REGIONS`.",
             "choices": list(TRUST_REGIONS),
         },
     )

@@ -11,15 +11,15 @@ The glue (no copy of the parent's `compute_loss`, see docs/theory.md "Asynchrono
    `log_probs`/`entropy` (TRL's fused LM head), and the batch with its advantages zeroed, so the parent's own PPO-clip
    surrogate contributes no gradient (its `ratio`/`kl`/`entropy` metrics stay true π/μ statistics; its clip metrics,
    always 0 then, are dropped). The DPPO term `−A · sg(w) · π/sg(π)` (value `−A·w`, gradient `−A·w·∇log π`) with
-   `w = trust_region_coefficient(...)` of `dppo_trl.objective`, plus the optional μ-KL term, is added with the
+   `w = trust_region_coefficient(...)` of `dppo_trl.core.objective`, plus the optional μ-KL term, is added with the
    parent's normalisation (tokens per rank × gradient accumulation).
 2. **Staleness.** TRL computes each sample's staleness in its queue dataset but drops it before packing. The trainer
    wraps the rollout queue so each sample it hands out carries its `model_version` in its `metrics` dict, and a
    collator subclass moves it into the batch (`dppo_sample_version`, one entry per packed sample; `segment_id` maps
    tokens to samples). The loss computes staleness = current policy version − sample version.
-3. **CPU.** Without CUDA the trainer applies `dppo_trl.async_cpu`'s paths: pure-PyTorch tree attention registered
+3. **CPU.** Without CUDA the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree attention registered
    only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
-   `python -m dppo_trl.vllm_server`.
+   `python -m dppo_trl.backends.cpu.vllm_server`.
 
 Top-K divergences are refused: the worker requests only the sampled token's log-prob (`"logprobs": 0`).
 """
@@ -42,17 +42,17 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from dppo_trl.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
-from dppo_trl.behavior import sanitize_behavior_logps
-from dppo_trl.config import DPPOConfig, resolve_default_deltas, validate_trust_region_fields
-from dppo_trl.objective import (
+from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
+from dppo_trl.core.objective import (
     TokenView,
     mu_kl_per_token,
     trust_region_coefficient,
     trust_region_metrics,
     trust_region_stats,
 )
-from dppo_trl.registry import TRUST_REGIONS
+from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.trainers.config import DPPOConfig, resolve_default_deltas, validate_trust_region_fields
+from dppo_trl.trainers.vllm_topk import sanitize_behavior_logps
 
 __all__ = ["SAMPLE_VERSION", "AsyncDPPOConfig", "AsyncDPPOTrainer"]
 
@@ -200,7 +200,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     """TRL's `AsyncGRPOTrainer` with DPPO's trust region (eqs. 11-16) anchored on the vLLM server's μ.
 
     Takes `AsyncGRPOTrainer`'s arguments; `args` is an [`AsyncDPPOConfig`]. Without CUDA, `weight_transfer` defaults
-    to `dppo_trl.async_cpu.FileWeightTransfer` (the server must be `python -m dppo_trl.vllm_server`). Logs the
+    to `dppo_trl.backends.cpu.async_cpu.FileWeightTransfer` (the server must be `python -m dppo_trl.backends.cpu.vllm_server`). Logs the
     `dppo/*` metrics of `DPPOTrainer` plus `dppo/staleness_{s}/mask_ratio` and `dppo/staleness_{s}/mismatch_abs_mean`
     for s = 0 … `max_staleness`.
     """

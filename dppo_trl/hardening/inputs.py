@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-from dppo_trl.checkpoints import save_steps_hint
+from dppo_trl.hardening.checkpoints import save_steps_hint
 
 # GRPOTrainer loads a missing processing class with these arguments (pinned by tests/test_trl_contract.py).
 PROCESSING_CLASS_KWARGS = {"truncation_side": "left", "padding_side": "left"}

@@ -8,7 +8,7 @@ Learning*, arXiv 2602.04879, eqs. 11-16). Everything DPPO changes with respect t
 - the optional μ-KL penalty `τ · (log π − log μ)²` that prime-rl pairs with DPPO: `mu_kl_penalty`.
 
 How a loss call assembles these (D computed once, shared by the coefficient, the metrics and the observers) is
-`dppo_trl.objective`.
+`dppo_trl.core.objective`.
 
 Vocabulary (docs/theory.md): π the trainer policy, μ the behavior policy (the rollout engine's log-probs when it
 sampled), A the advantage, δ the thresholds, C the ratio cap. Every input is a log-probability (`*_logps`):
@@ -258,9 +258,9 @@ def dppo_coefficient(
 
     μ is the behavior policy itself (the engine that sampled) in both the ratio and the mask, never a recomputed
     π_old. δ defaults to the authors' values (0.15 TV, 0.05 KL); C defaults to no cap (the authors ran with 1e4).
-    Every baseline trust region in `dppo_trl.baselines` returns a coefficient of the same form.
+    Every baseline trust region in `dppo_trl.core.baselines` returns a coefficient of the same form.
 
-    `div`, when given, is D(π, μ) of `divergence` already computed by the caller (`dppo_trl.objective` computes it
+    `div`, when given, is D(π, μ) of `divergence` already computed by the caller (`dppo_trl.core.objective` computes it
     once per loss call for the mask, the metrics and the observers); the top-K tensors are then not needed.
     """
     delta_low = default_delta(divergence) if delta_low is None else delta_low
