@@ -1,6 +1,6 @@
 """DPPO (Divergence Proximal Policy Optimization) for Hugging Face TRL.
 
-`DPPOConfig`, `DPPOTrainer` and the asynchronous `AsyncDPPOConfig`/`AsyncDPPOTrainer` are imported lazily so the pure-tensor modules (`dppo_trl.core.divergence`, ...) load
+`DPPOConfig`, `DPPOTrainer` and the asynchronous `AsyncDPPOConfig`/`AsyncDPPOTrainer` are imported lazily so the pure-tensor modules (`dppo_trl.core.functional`, ...) load
 without importing TRL.
 """
 

@@ -1,10 +1,14 @@
-"""Count the trainer's log-prob passes made while a generation batch is built (a π_old recompute would be one)."""
+"""Count the trainer's log-prob forwards made while a generation batch is built (a π_old recompute would be one).
+
+A forward is a call that reaches GRPOTrainer's own `_get_per_token_logps_and_entropies`: a pass DPPOTrainer declines
+(its π_old pass under a μ anchor) never runs the model and is not counted."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
+from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 
@@ -27,7 +31,7 @@ def count_generation_passes():
     Class-wide so it also reaches trainers built inside a script's `main()`.
     """
     passes = GenerationPasses()
-    generate, logps = DPPOTrainer._generate_and_score_completions, DPPOTrainer._get_per_token_logps_and_entropies
+    generate, logps = DPPOTrainer._generate_and_score_completions, GRPOTrainer._get_per_token_logps_and_entropies
     inside = []
 
     def generate_and_score(self, inputs):
@@ -45,5 +49,5 @@ def count_generation_passes():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DPPOTrainer, "_generate_and_score_completions", generate_and_score)
-        patch.setattr(DPPOTrainer, "_get_per_token_logps_and_entropies", per_token_logps)
+        patch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", per_token_logps)
         yield passes

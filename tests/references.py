@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dppo_trl.core.divergence import _compute_dtype, ratio_coefficient
+from dppo_trl.core.functional import compute_dtype, ratio_coefficient
 
 
 def dppo_per_token_loss(
@@ -21,7 +21,7 @@ def dppo_per_token_loss(
     A · coef · M is exactly 0 contribute exactly 0 (also when log π = -inf). Returns float32 (float64 for float64
     inputs), shape broadcast of the inputs; aggregation over tokens is the caller's choice.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
+    dtype = compute_dtype(pi_logps, mu_logps)
     pi_lp = pi_logps.to(dtype)
     coef = ratio_coefficient(pi_lp.detach(), mu_logps, ratio_cap)
     weight = (advantages.to(dtype) * coef * keep_mask.to(dtype)).detach()

@@ -15,16 +15,23 @@ from dppo_trl.core.baselines import (
     pg_is_coefficient,
     relaxed_clip_coefficient,
 )
-from dppo_trl.core.divergence import binary_tv, dppo_coefficient, ratio_coefficient, trust_region_mask
-from dppo_trl.core.registry import TRUST_REGIONS, trust_region_table
+from dppo_trl.core.functional import binary_tv, dppo_coefficient, ratio_coefficient, trust_region_mask
+from dppo_trl.core.registry import TRUST_REGIONS, CoefficientInputs, trust_region_table
+from dppo_trl.core.spec import TrustRegionSpec
 
 NEEDS_OLD_LOGPS = {name for name, entry in TRUST_REGIONS.items() if entry.needs_old_logps}
 
 
+def _entry(name, pi, mu, adv, old=None, **spec_fields):
+    """The registry entry `name` called as `policy_loss` calls it (D of the binary TV, the spec's fields)."""
+    spec = TrustRegionSpec(trust_region=name, **spec_fields)
+    tokens = CoefficientInputs(pi, mu, adv, binary_tv(pi, mu), "binary_tv", old_logps=old)
+    return spec.region.coefficient(tokens, spec)
+
+
 def clip_higher_coefficient(pi, mu, adv):
     """The registry's `clip_higher` entry with ε_low = 0.2."""
-    entry = TRUST_REGIONS["clip_higher"]
-    return entry.coefficient(pi, mu, adv, eps_low=0.2, **entry.fixed)
+    return _entry("clip_higher", pi, mu, adv, epsilon=0.2)
 
 
 def _random_inputs(seed: int, n: int = 256) -> tuple[torch.Tensor, ...]:
@@ -184,10 +191,7 @@ def test_no_overflow_dtype_and_detached():
     old = torch.tensor([-0.1, -0.1, -1.0, -1.0], dtype=torch.bfloat16)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
     for name, entry in TRUST_REGIONS.items():
-        kwargs = {**entry.fixed, **({"alpha": 0.1} if "alpha" in entry.config_fields else {})}
-        if entry.needs_old_logps:
-            kwargs["old_logps"] = old
-        coef = entry.coefficient(pi, mu, adv, **kwargs)
+        coef = _entry(name, pi, mu, adv, old if entry.needs_old_logps else None)
         assert coef.dtype == torch.float32 and not coef.requires_grad, name
         assert torch.isfinite(coef).all() and (coef >= 0).all(), (name, coef)
         assert coef[3] == 0, name  # π = 0: ratio 0
@@ -195,44 +199,42 @@ def test_no_overflow_dtype_and_detached():
 
 
 def test_registry_dispatch():
-    from types import SimpleNamespace
-
     pi, mu, old, adv = _random_inputs(7, n=32)
     assert NEEDS_OLD_LOGPS == {"minirl", "dppo_decoupled"}
     assert {name for name, entry in TRUST_REGIONS.items() if entry.uses_top_k} == {"dppo"}
-    config = SimpleNamespace(
-        epsilon=0.2, relax_alpha=0.1, divergence="binary_tv", delta_low=0.15, delta_high=0.15, ratio_cap=2.0
-    )
-    assert TRUST_REGIONS["grpo_clip"].kwargs(config) == {"eps_low": 0.2, "eps_high": 0.2}
-    assert TRUST_REGIONS["clip_higher"].kwargs(config) == {"eps_low": 0.2, "eps_high": 0.28}
-    assert TRUST_REGIONS["relax_both"].kwargs(config) == {
-        "relax": "both",
-        "eps_low": 0.2,
-        "eps_high": 0.2,
-        "alpha": 0.1,
-    }
-    assert TRUST_REGIONS["dppo"].kwargs(config) == {
-        "divergence": "binary_tv",
-        "delta_low": 0.15,
-        "delta_high": 0.15,
-        "ratio_cap": 2.0,
-    }
+    fields = dict(epsilon=0.2, relax_alpha=0.1, divergence="binary_tv", ratio_cap=2.0)
+    torch.testing.assert_close(_entry("grpo_clip", pi, mu, adv, **fields), grpo_clip_coefficient(pi, mu, adv))
     torch.testing.assert_close(
-        TRUST_REGIONS["grpo_clip"].coefficient(pi, mu, adv, **TRUST_REGIONS["grpo_clip"].kwargs(config)),
-        grpo_clip_coefficient(pi, mu, adv),
+        _entry("clip_higher", pi, mu, adv, **fields), grpo_clip_coefficient(pi, mu, adv, 0.2, 0.28)
     )
     torch.testing.assert_close(
-        TRUST_REGIONS["minirl"].coefficient(pi, mu, adv, old_logps=old, eps_high=0.28),
-        minirl_coefficient(pi, mu, adv, old, eps_high=0.28),
+        _entry("relax_both", pi, mu, adv, **fields),
+        relaxed_clip_coefficient(pi, mu, adv, alpha=0.1, relax="both", eps_low=0.2, eps_high=0.2),
     )
     torch.testing.assert_close(
-        TRUST_REGIONS["dppo"].coefficient(pi, mu, adv, **TRUST_REGIONS["dppo"].kwargs(config)),
-        dppo_coefficient(pi, mu, adv, ratio_cap=2.0),
+        _entry("minirl", pi, mu, adv, old, epsilon=0.28), minirl_coefficient(pi, mu, adv, old, 0.28, 0.28)
     )
+    torch.testing.assert_close(_entry("dppo", pi, mu, adv, **fields), dppo_coefficient(pi, mu, adv, ratio_cap=2.0))
+    # Without a recompute the generating weights are the current ones: π_old = π.
+    torch.testing.assert_close(_entry("minirl", pi, mu, adv), minirl_coefficient(pi, mu, adv, pi))
     with pytest.raises(TypeError):
-        TRUST_REGIONS["minirl"].coefficient(pi, mu, adv)  # π_old is required
-    with pytest.raises(TypeError):
-        TRUST_REGIONS["ppo_kl"] = TRUST_REGIONS["dppo"]  # read-only: one table, edited in the source
+        TRUST_REGIONS["ppo_kl"] = TRUST_REGIONS["dppo"]  # read-only: registered with `register_trust_region`
+
+
+def test_register_trust_region_adds_one_entry_with_the_same_signature():
+    from dppo_trl.core import registry
+
+    @registry.register_trust_region("test_half_is", "half of π/μ")
+    def _half(tokens, spec):
+        return 0.5 * pg_is_coefficient(tokens.pi_logps, tokens.mu_logps, tokens.advantages)
+
+    try:
+        pi, mu, _, adv = _random_inputs(8, n=16)
+        torch.testing.assert_close(_entry("test_half_is", pi, mu, adv), 0.5 * pg_is_coefficient(pi, mu, adv))
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_trust_region("test_half_is", "again")(_half)
+    finally:
+        del registry._REGISTRY["test_half_is"]
 
 
 def test_docs_api_lists_the_registry():

@@ -41,7 +41,7 @@ def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
 
     from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOTrainer
-    from dppo_trl.core.divergence import compute_divergence, trust_region_mask
+    from dppo_trl.core.functional import compute_divergence, trust_region_mask
 
     args = DPPOConfig(
         output_dir=str(tmp_path),

@@ -2,7 +2,7 @@
 
 A crafted batch puts tokens in each regime of eq. 12 (masked on either side, kept moves back toward μ, ratios above
 the cap, an engine log-prob the engine could not report), then compares the model's parameter gradients with the
-gradient of the literal eq.-11 loss built from `dppo_trl.core.divergence` on full logits.
+gradient of the literal eq.-11 loss built from `dppo_trl.core.functional` on full logits.
 """
 
 import math
@@ -14,7 +14,7 @@ from references import dppo_per_token_loss
 
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.core.divergence import compute_divergence, trust_region_mask
+from dppo_trl.core.functional import compute_divergence, trust_region_mask
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_VALID
 
 PROMPT_LEN, COMPLETION_LEN = 3, 6
@@ -200,6 +200,7 @@ ABLATIONS = ["grpo_clip", "clip_higher", "cispo", "pg_is", "minirl", "dppo_decou
 @pytest.mark.parametrize("name", ABLATIONS)
 def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_path, name):
     """Each baseline trust region reaches the parent's loss as `−A · coef · ∇log π` (coef from dppo_trl.core.baselines)."""
+    from dppo_trl.core import baselines
     from dppo_trl.core.registry import TRUST_REGIONS
     from dppo_trl.trainers.dppo_trainer import RECOMPUTED_LOGPS
 
@@ -232,7 +233,17 @@ def test_ablation_gradient_through_parent_loss(tiny_model_dir, tokenizer, tmp_pa
     }[name]
     if RECOMPUTED_LOGPS in inputs:
         kwargs["old_logps"] = inputs[RECOMPUTED_LOGPS]
-    coef = TRUST_REGIONS[name].coefficient(pi.detach(), mu, adv, **kwargs).clamp(max=1e6) * valid
+    coefficient = {
+        "grpo_clip": baselines.grpo_clip_coefficient,
+        "clip_higher": baselines.grpo_clip_coefficient,
+        "cispo": baselines.cispo_coefficient,
+        "pg_is": baselines.pg_is_coefficient,
+        "minirl": baselines.minirl_coefficient,
+        "dppo_decoupled": baselines.dppo_decoupled_coefficient,
+        "relax_low": baselines.relaxed_clip_coefficient,
+        "relax_both": baselines.relaxed_clip_coefficient,
+    }[name]
+    coef = coefficient(pi.detach(), mu, adv, **kwargs).clamp(max=1e6) * valid
     mask = inputs["completion_mask"].float()
     (-(adv * coef * pi * mask).sum() / mask.sum()).backward()
     for param_name, param in model.named_parameters():
@@ -325,8 +336,6 @@ def test_loss_call_channel_is_scoped_and_metrics_are_logged_once(tiny_model_dir,
     after a failing call, and the instance's `get_off_policy_mask` is TRL's again."""
     from trl import GRPOTrainer
 
-    from dppo_trl.trainers.dppo_trainer import _SEAM_CALL
-
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path)
     model = trainer.model
     inputs, *_ = _crafted_batch(model, torch.Generator().manual_seed(5))
@@ -334,10 +343,10 @@ def test_loss_call_channel_is_scoped_and_metrics_are_logged_once(tiny_model_dir,
     trainer.trust_region_observers.append(seen.append)
     trainer._compute_loss(model, inputs)
     assert len(seen) == 1 and len(trainer._metrics["train"]["dppo/mask_ratio"]) == 1
-    assert _SEAM_CALL.get() is None
+    assert trainer._loss_call is None
     with pytest.raises(KeyError):
         trainer._compute_loss(model, {k: v for k, v in inputs.items() if k != "advantages"})
-    assert _SEAM_CALL.get() is None
+    assert trainer._loss_call is None
     args = (
         ADVANTAGES.unsqueeze(1),
         inputs[BEHAVIOR_LOGPS],

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_loss_gradient import _crafted_batch, _trainer
 
+from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
-from dppo_trl.trainers.vllm_topk import sanitize_behavior_logps
 
 BAD_MU = {"-inf": -math.inf, "nan": math.nan, "+inf": math.inf, "-1e4": -1e4, "-1e38": -1e38}
 NOT_A_LOGP = {"-inf", "nan", "+inf"}  # masked and counted; -1e4 / -1e38 are valid (tiny) probabilities

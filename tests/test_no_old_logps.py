@@ -1,5 +1,5 @@
 """No π_old pass when μ comes from the engine: GRPOTrainer recomputes π_old while generating whenever
-`gradient_accumulation_steps % (steps_per_generation · num_iterations) != 0`; DPPO anchors on μ and skips it.
+`gradient_accumulation_steps % (steps_per_generation · num_iterations) != 0`; DPPO anchors on μ and declines it.
 
 Two real vLLM colocate trainers serve the module (binary without a reference model, top-K with β > 0). Each test sets
 the GA / `steps_per_generation` / `num_iterations` shape on the trainer (the parent reads them when it generates) and
@@ -61,7 +61,8 @@ def _generate(trainer, monkeypatch, shape, skip=True):
         monkeypatch.setattr(trainer, "_discards_parent_old_logps", lambda: False)
     with count_generation_passes() as passes:
         output = trainer._generate_and_score_completions(TINY_GROUPS)
-    assert type(trainer.num_iterations) is int and trainer.num_iterations == iterations  # the scoped override is gone
+    assert type(trainer.num_iterations) is int and trainer.num_iterations == iterations  # never overridden
+    assert trainer._decline_old_pass is False
     monkeypatch.undo()
     return output, passes.batches[0]
 
@@ -102,6 +103,8 @@ def test_topk_with_reference_keeps_only_the_reference_pass(topk_with_ref, monkey
 @pytest.mark.parametrize("name", ["example-default", "aligned"])
 def test_ablations_that_need_pi_old_still_get_one_pass(binary, monkeypatch, setting, name):
     monkeypatch.setattr(binary.args, *setting)
+    # The trainer reads the trust region from the spec it froze at construction.
+    monkeypatch.setattr(binary, "trust_region_spec", binary.args.trust_region_spec())
     assert not binary._discards_parent_old_logps()
     _, passes = _generate(binary, monkeypatch, SHAPES[name][0])
     assert passes == ["policy"]
@@ -109,7 +112,7 @@ def test_ablations_that_need_pi_old_still_get_one_pass(binary, monkeypatch, sett
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_num_iterations_is_restored_when_generation_fails(binary, monkeypatch):
+def test_nothing_is_left_declined_when_generation_fails(binary, monkeypatch):
     def broken_rewards(*args, **kwargs):
         raise RuntimeError("reward server down")
 
@@ -117,6 +120,7 @@ def test_num_iterations_is_restored_when_generation_fails(binary, monkeypatch):
     with pytest.raises(RuntimeError, match="reward server down"):
         binary._generate_and_score_completions(TINY_GROUPS)
     assert type(binary.num_iterations) is int and binary.num_iterations == binary.args.num_iterations
+    assert binary._decline_old_pass is False  # the next call into the parent is not declined
 
 
 @pytest.mark.vllm

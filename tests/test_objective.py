@@ -1,23 +1,19 @@
-"""`dppo_trl.core.objective`, the trust-region core both trainers call, against naive per-token references."""
+"""`dppo_trl.core.loss.policy_loss`, the loss both trainers call, against naive per-token references."""
 
+import functools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dppo_trl.core.divergence import binary_kl, compute_divergence, dppo_coefficient, topk_tv
-from dppo_trl.core.objective import (
-    COEF_MAX,
-    TokenView,
-    aggregate_per_token_loss,
-    mu_kl_per_token,
-    observer_record,
-    trust_region_coefficient,
-    trust_region_metrics,
-    trust_region_stats,
-)
+from dppo_trl.core import baselines
+from dppo_trl.core.functional import binary_kl, compute_divergence, dppo_coefficient, topk_tv
+from dppo_trl.core.loss import COEF_MAX, LossInputs, aggregate_per_token_loss, policy_loss
+from dppo_trl.core.metrics import observer_record, trust_region_metrics, trust_region_stats
 from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.core.spec import TrustRegionSpec
+
+TokenView = LossInputs
 
 
 def _args(**overrides):
@@ -31,7 +27,38 @@ def _args(**overrides):
         relax_alpha=0.1,
         mu_kl_coef=0.0,
     )
-    return SimpleNamespace(**{**base, **overrides})
+    return TrustRegionSpec(**{**base, **overrides})
+
+
+def trust_region_coefficient(spec, view):
+    outputs = policy_loss(spec, view)
+    return outputs.coef, outputs.divergence
+
+
+def _stats(spec, view, coef, div, max_staleness=None):
+    spec = TrustRegionSpec(**{**spec.__dict__, "max_staleness": max_staleness})
+    return trust_region_stats(spec, view, coef, div, spec.effective_divergence(view.has_topk))
+
+
+def _relaxed(side, pi, mu, adv, old, s):
+    return baselines.relaxed_clip_coefficient(pi, mu, adv, s.relax_alpha, side, s.epsilon, s.epsilon)
+
+
+# What each registry entry computes, written with the math functions and the spec's fields.
+_EXPECTED = {
+    "dppo": lambda pi, mu, adv, old, s: dppo_coefficient(
+        pi, mu, adv, s.divergence, s.delta_low, s.delta_high, s.ratio_cap
+    ),
+    "grpo_clip": lambda pi, mu, adv, old, s: baselines.grpo_clip_coefficient(pi, mu, adv, s.epsilon, s.epsilon),
+    "clip_higher": lambda pi, mu, adv, old, s: baselines.grpo_clip_coefficient(pi, mu, adv, s.epsilon, 0.28),
+    "cispo": lambda pi, mu, adv, old, s: baselines.cispo_coefficient(pi, mu, adv),
+    "pg_is": lambda pi, mu, adv, old, s: baselines.pg_is_coefficient(pi, mu, adv),
+    "minirl": lambda pi, mu, adv, old, s: baselines.minirl_coefficient(pi, mu, adv, old, s.epsilon, s.epsilon),
+    "dppo_decoupled": lambda pi, mu, adv, old, s: baselines.dppo_decoupled_coefficient(
+        pi, mu, adv, old, s.divergence, s.delta_low, s.delta_high, s.ratio_cap
+    ),
+    **{f"relax_{side}": functools.partial(_relaxed, side) for side in ("low", "high", "both")},
+}
 
 
 def _view(seed=0, batch=4, length=7, **extra):
@@ -74,10 +101,7 @@ def test_every_registry_entry_goes_through_the_core(name):
     if entry.needs_old_logps:
         view = TokenView(**{**view.__dict__, "old_logps": old})
     coef, div = trust_region_coefficient(args, view)
-    kwargs = entry.kwargs(args)
-    if entry.needs_old_logps:
-        kwargs["old_logps"] = old
-    want = entry.coefficient(view.pi_logps, view.mu_logps, view.advantages.expand_as(view.pi_logps), **kwargs)
+    want = _EXPECTED[name](view.pi_logps, view.mu_logps, view.advantages.expand_as(view.pi_logps), old, args)
     want = torch.where(view.tokens & view.valid, want.clamp(max=COEF_MAX), torch.zeros_like(want))
     assert torch.equal(coef, want.float())
     assert torch.equal(div, compute_divergence("binary_tv", view.pi_logps, view.mu_logps))
@@ -171,7 +195,7 @@ def test_metrics_match_a_naive_reference(staleness_shape):
     }[staleness_shape]
     view = _view(seed=3, staleness=staleness)
     coef, div = trust_region_coefficient(args, view)
-    stats = trust_region_stats(args, view, coef, div, max_staleness=3)
+    stats = _stats(args, view, coef, div, max_staleness=3)
     got = trust_region_metrics(stats, _identity, _identity)
     _assert_metrics_close(got, _naive_metrics(args, view, coef, div, staleness, 3))
     if staleness_shape == "row":
@@ -183,11 +207,11 @@ def test_metrics_reduce_over_processes_like_one_big_batch():
     args = _args()
     view = _view(seed=4, batch=4, staleness=torch.tensor([0, 1, 0, 1]))
     coef, div = trust_region_coefficient(args, view)
-    whole = trust_region_metrics(trust_region_stats(args, view, coef, div, max_staleness=1), _identity, _identity)
+    whole = trust_region_metrics(_stats(args, view, coef, div, max_staleness=1), _identity, _identity)
 
     def half(rows):
         part = TokenView(**{k: (v[rows] if torch.is_tensor(v) else v) for k, v in view.__dict__.items()})
-        return trust_region_stats(args, part, coef[rows], div[rows], max_staleness=1)
+        return _stats(args, part, coef[rows], div[rows], max_staleness=1)
 
     first, second = half(slice(0, 2)), half(slice(2, 4))
 
@@ -203,15 +227,12 @@ def test_metrics_reduce_over_processes_like_one_big_batch():
 
 
 def test_binary_kl_is_not_computed_twice_when_it_is_the_divergence(monkeypatch):
-    import dppo_trl.core.objective as objective
+    import dppo_trl.core.metrics as metrics
 
     calls = []
-    real = objective.binary_kl
-    monkeypatch.setattr(objective, "binary_kl", lambda *a: calls.append(1) or real(*a))
-    args = _args(divergence="binary_kl")
-    view = _view(seed=5)
-    coef, div = trust_region_coefficient(args, view)
-    trust_region_stats(args, view, coef, div)
+    real = metrics.binary_kl
+    monkeypatch.setattr(metrics, "binary_kl", lambda *a: calls.append(1) or real(*a))
+    policy_loss(_args(divergence="binary_kl"), _view(seed=5))
     assert calls == []
 
 
@@ -227,8 +248,10 @@ def test_observer_record_and_mu_kl_per_token():
     pi = view.pi_logps.clone().requires_grad_(True)
     mu = view.mu_logps.clone()
     mu[~view.valid] = float("nan")  # unsanitised μ must still give 0, not NaN
-    penalty = mu_kl_per_token(args, pi, mu, view.tokens & view.valid)
+    outputs = policy_loss(args, LossInputs(**{**view.__dict__, "pi_logps": pi, "mu_logps": mu}))
+    penalty = outputs.mu_kl
     counted = view.tokens & view.valid
+    assert all(torch.isfinite(v).all() for v in outputs.stats.values())
     want = torch.where(counted, 0.5 * (view.pi_logps - mu) ** 2, torch.zeros_like(mu))
     assert torch.allclose(penalty, want)
     penalty.sum().backward()
@@ -276,7 +299,7 @@ def test_sequence_advantages_of_shape_b_are_one_value_per_row():
         torch.equal(a, b) for a, b in zip(trust_region_coefficient(args, view), trust_region_coefficient(args, flat))
     )
     coef, div = trust_region_coefficient(args, view)
-    assert trust_region_stats(args, flat, coef, div).keys() == trust_region_stats(args, view, coef, div).keys()
+    assert _stats(args, flat, coef, div).keys() == _stats(args, view, coef, div).keys()
     assert torch.equal(observer_record(flat, coef, div)["advantages"], observer_record(view, coef, div)["advantages"])
 
 
@@ -297,8 +320,49 @@ def test_packed_token_lists_give_the_same_metrics():
     )
     packed_coef, packed_div = trust_region_coefficient(args, packed)
     assert torch.equal(packed_coef, coef[keep]) and torch.equal(packed_div, div[keep])
-    got = trust_region_metrics(
-        trust_region_stats(args, packed, packed_coef, packed_div, max_staleness=2), _identity, _identity
-    )
-    want = trust_region_metrics(trust_region_stats(args, view, coef, div, max_staleness=2), _identity, _identity)
+    got = trust_region_metrics(_stats(args, packed, packed_coef, packed_div, max_staleness=2), _identity, _identity)
+    want = trust_region_metrics(_stats(args, view, coef, div, max_staleness=2), _identity, _identity)
     _assert_metrics_close(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(TRUST_REGIONS))
+def test_policy_loss_is_eq_11_in_value_and_gradient(name):
+    """The per-token loss is −A·w in value and −A·w·∇log π in gradient, 0 outside the counted tokens, for every
+    registry entry; the μ-KL term adds τ·(log π − log μ)² and its gradient."""
+    view = _view(seed=10)
+    old = (view.pi_logps + 0.2).clamp(max=0.0)
+    pi = view.pi_logps.clone().requires_grad_(True)
+    spec = _args(trust_region=name, mu_kl_coef=0.1)
+    outputs = policy_loss(spec, LossInputs(**{**view.__dict__, "pi_logps": pi, "old_logps": old}))
+    adv = view.advantages.expand_as(pi)
+    counted = view.tokens & view.valid
+    assert torch.allclose(outputs.policy_loss, -adv * outputs.coef)
+    assert torch.equal(outputs.policy_loss[~counted], torch.zeros_like(pi)[~counted])
+    (outputs.policy_loss + outputs.mu_kl).sum().backward()
+    want = -adv * outputs.coef + torch.where(counted, 0.2 * (view.pi_logps - view.mu_logps), torch.zeros_like(pi))
+    assert torch.allclose(pi.grad, want, atol=1e-6)
+
+
+def test_the_opened_clip_weight_turns_grpos_term_into_eq_11():
+    """GRPOTrainer's opened-clip term −r·A·m with m = opened_clip_weight(w, π, old) is −A·w in value and gradient."""
+    from dppo_trl.core.loss import opened_clip_weight
+
+    view = _view(seed=11)
+    pi = view.pi_logps.clone().requires_grad_(True)
+    old = view.mu_logps.clamp(min=-60.0)
+    outputs = policy_loss(_args(), LossInputs(**{**view.__dict__, "pi_logps": pi}))
+    m = opened_clip_weight(outputs.coef, pi, old)
+    adv = view.advantages.expand_as(pi)
+    term = -torch.exp(pi - old) * adv * m
+    assert torch.allclose(term, -adv * outputs.coef, atol=1e-6)
+    term.sum().backward()
+    assert torch.allclose(pi.grad, -adv * outputs.coef, atol=1e-5)
+
+
+def test_spec_resolves_defaults_once_and_validates():
+    assert TrustRegionSpec().delta_low == 0.15 and TrustRegionSpec(divergence="binary_kl").delta_high == 0.05
+    assert TrustRegionSpec().ratio_cap == 20.0
+    with pytest.raises(ValueError, match="ratio_cap"):
+        TrustRegionSpec(ratio_cap=math.inf)
+    with pytest.raises(ValueError, match="sampled-token baseline"):
+        TrustRegionSpec(trust_region="grpo_clip", divergence="topk_tv")

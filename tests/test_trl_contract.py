@@ -217,27 +217,13 @@ def test_vllm_server_mode_contract():
     assert tuple(GUARDED_PREFIX) == trl_contract.VLLM_API_KEY_GUARDED_PREFIXES
 
 
-def _code(source: str) -> str:
-    """Source without its comments (TRL's comments mention `num_iterations` where the code does not read it)."""
-    return "\n".join(line.split("#", 1)[0] for line in source.splitlines())
-
-
-def test_old_logps_recompute_condition_is_the_only_num_iterations_reader_in_generation():
-    """`DPPOTrainer._parent_old_logps_skipped` overrides `self.num_iterations` while the parent generates."""
+def test_the_old_logps_pass_dppo_declines_is_the_first_pass_of_generation():
+    """`DPPOTrainer._parent_recomputes_old_logps` restates TRL's condition, and the pass it declines is π_old."""
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     for fragment in trl_contract.OLD_LOGPS_RECOMPUTE_FRAGMENTS:
         assert fragment in source, f"GRPOTrainer's π_old recompute condition changed: missing {fragment!r}"
-    code = _code(source)
-    assert code.count("num_iterations") == 1, "_generate_and_score_completions reads num_iterations elsewhere"
-    assert code.count("generate_every") == 2, "generate_every is used outside the π_old condition"
-    readers = set()
-    for cls in GRPOTrainer.__mro__:
-        for name, member in vars(cls).items():
-            if inspect.isfunction(member) and "num_iterations" in _code(inspect.getsource(member)):
-                readers.add(name)
-    assert readers == set(trl_contract.NUM_ITERATIONS_READERS), sorted(
-        readers ^ set(trl_contract.NUM_ITERATIONS_READERS)
-    )
+    first_pass = source.index("self._get_per_token_logps_and_entropies(")
+    assert source.index(trl_contract.OLD_LOGPS_PASS) + len("old_per_token_logps, _, _ = ") == first_pass
     init = inspect.getsource(GRPOTrainer.__init__)
     for attr in trl_contract.OLD_LOGPS_TRAINER_ATTRIBUTES:
         assert f"self.{attr} =" in init, f"GRPOTrainer.__init__ no longer sets self.{attr}"

@@ -1,4 +1,4 @@
-"""Tests for dppo_trl.core.divergence against brute-force fp64 references (eqs. 11-16 of arXiv 2602.04879)."""
+"""Tests for dppo_trl.core.functional against brute-force fp64 references (eqs. 11-16 of arXiv 2602.04879)."""
 
 import math
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from references import dppo_per_token_loss
 
-from dppo_trl.core.divergence import (
+from dppo_trl.core.functional import (
     DEFAULT_DELTAS,
     DIVERGENCES,
     binary_kl,

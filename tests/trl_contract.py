@@ -36,10 +36,10 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
 }
 
-# Of those, the static methods: DPPOTrainer keeps them static with the same signature, and called on the class (outside
-# a DPPO loss call) they are TRL's own. `get_off_policy_mask` is the seam the DPPO weight goes through: the parent's
-# `_compute_loss` calls it as `self.get_off_policy_mask(...)` with π, and DPPOTrainer's static wrapper returns the DPPO
-# weight only inside the `_SeamCall` its `_compute_loss` opened (dppo_trl/trainers/dppo_trainer.py).
+# Of those, the static methods: on the class DPPOTrainer's are TRL's own, same signature (TRL's tests call them there).
+# `get_off_policy_mask` is the slot the DPPO weight goes through: the parent's `_compute_loss` calls it as
+# `self.get_off_policy_mask(...)` with π, which on a DPPOTrainer instance is `_off_policy_mask`
+# (dppo_trl/trainers/dppo_trainer.py). Removed by: a per-token weight hook that receives the batch (docs/upstream.md).
 STATIC_METHODS = ("get_off_policy_mask",)
 
 # Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
@@ -53,7 +53,7 @@ TRAINER_ATTRIBUTES = (
     "temperature",
     "accelerator",
     "model",
-    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.core.objective.aggregate_per_token_loss)
+    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.core.loss.aggregate_per_token_loss)
     "max_completion_length",
     "current_gradient_accumulation_steps",
 )
@@ -69,7 +69,7 @@ COMPUTE_LOSS_FRAGMENTS = (
     "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
     "if advantages.dim() == 1:",
 )
-# GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.objective.aggregate_per_token_loss` reproduces for the
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.loss.aggregate_per_token_loss` reproduces for the
 # μ-KL term (behaviourally pinned by tests/test_mu_kl.py with one process; these pin the multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
@@ -189,23 +189,18 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_RPC_ROUTE_MODULE = "vllm.entrypoints.serve.dev.rpc.api_router"
 VLLM_RELOAD_PARAMS = ("self", "weights_iterator", "weights_path", "is_checkpoint_format")
 VLLM_API_KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-# No π_old pass when μ comes from the engine (`DPPOTrainer._parent_old_logps_skipped`). `_generate_and_score_completions`
-# reads `self.num_iterations` once, in its π_old recompute condition, and no GRPOTrainer method it calls reads it (the
-# readers are listed), so a scoped exact `Fraction` that makes `GA % (steps_per_generation · num_iterations)` zero
-# changes that condition and nothing else. The other clause (vLLM IS correction) is off under `anchor="behavior"`.
+# No π_old pass when μ comes from the engine (`DPPOTrainer._decline_old_pass`). `_parent_recomputes_old_logps`
+# restates TRL's recompute condition; when it holds, the π_old pass is the first `_get_per_token_logps_and_entropies`
+# call of `_generate_and_score_completions` and its result is unpacked into `old_per_token_logps` (None = no π_old, as
+# in TRL's own else-branch). The other clause (vLLM IS correction) is off under `anchor="behavior"`.
+# Removed by: `GRPOTrainer._needs_old_per_token_logps()` (docs/upstream.md).
 OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
     "generate_every = self.args.steps_per_generation * self.num_iterations",
     "if self.args.gradient_accumulation_steps % generate_every != 0 or (",
     "self.use_vllm and self.vllm_importance_sampling_correction",
     "old_per_token_logps = None",
 )
-NUM_ITERATIONS_READERS = (
-    "__init__",
-    "_generate_and_score_completions",
-    "_get_train_sampler",
-    "_prepare_inputs",
-    "get_train_dataloader",
-)
+OLD_LOGPS_PASS = "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies("
 OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
 # `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
 # (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).

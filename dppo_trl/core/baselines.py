@@ -1,6 +1,6 @@
 """Baseline trust regions for the paper's ablations, as per-token policy-gradient coefficients.
 
-Each function has the form of DPPO's `dppo_trl.core.divergence.dppo_coefficient` (eq. 11): it returns the detached
+Each function has the form of DPPO's `dppo_trl.core.functional.dppo_coefficient` (eq. 11): it returns the detached
 coefficient `w_t` such that the method's per-token gradient is `−A_t · w_t · ∇log π(y_t)` (surrogate loss
 `−A_t · sg(w_t) · log π(y_t)`), float32 (float64 for float64 inputs), shape `(...)`. Ratios are formed in log space
 and clamped to the dtype's largest finite value, so π/μ up to e^80 (and beyond) never overflows.
@@ -32,26 +32,19 @@ import math
 import torch
 from torch import Tensor
 
-from dppo_trl.core.divergence import (
-    _as_logp,
-    _compute_dtype,
-    _exp_clamped,
-    compute_divergence,
-    default_delta,
+from dppo_trl.core.functional import (
+    DEFAULT_RATIO_CAP,
+    as_logp,
+    compute_dtype,
+    dppo_coefficient,
+    exp_clamped,
+    log_ratio,
     ratio_coefficient,
-    trust_region_mask,
 )
 
 # TRL's `loss_type="cispo"` uses `epsilon_high` as the absolute cap on the ratio; its docs recommend 5.0 (ScaleRL).
 # Its literal fallback (epsilon_high=None -> epsilon=0.2) would cap every ratio at 0.2, so we use the recommendation.
 CISPO_EPS_MAX = 5.0
-
-
-def _log_ratio(num_logps: Tensor, den_logps: Tensor, dtype: torch.dtype) -> Tensor:
-    num = _as_logp(num_logps, dtype)
-    den = _as_logp(den_logps, dtype)
-    # -inf - -inf is NaN; a token with numerator probability 0 has ratio 0.
-    return torch.where(num == -math.inf, num, num - den)
 
 
 def _clip_active(log_r: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
@@ -71,10 +64,10 @@ def grpo_clip_coefficient(
     w = r where the clip is inactive, 0 where it is active (A > 0 and r > 1+ε_h, or A < 0 and r < 1-ε_l). Clip-Higher
     (DAPO) is this function with ε_h = 0.28.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    log_r = _log_ratio(pi_logps, mu_logps, dtype)
+    dtype = compute_dtype(pi_logps, mu_logps)
+    log_r = log_ratio(pi_logps, mu_logps, dtype)
     high, low = _clip_active(log_r, advantages.to(dtype), eps_low, eps_high)
-    r = _exp_clamped(log_r)
+    r = exp_clamped(log_r)
     return torch.where(high | low, torch.zeros_like(r), r)
 
 
@@ -88,7 +81,7 @@ def cispo_coefficient(
     `advantages` is unused (kept for a uniform signature).
     """
     del advantages
-    dtype = _compute_dtype(pi_logps, mu_logps)
+    dtype = compute_dtype(pi_logps, mu_logps)
     return ratio_coefficient(pi_logps.to(dtype), mu_logps.to(dtype), eps_max)
 
 
@@ -96,8 +89,8 @@ def cispo_coefficient(
 def pg_is_coefficient(pi_logps: Tensor, mu_logps: Tensor, advantages: Tensor) -> Tensor:
     """Plain importance-weighted policy gradient, no trust region: w = r = π/μ (clamped to the dtype's max)."""
     del advantages
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    return _exp_clamped(_log_ratio(pi_logps, mu_logps, dtype))
+    dtype = compute_dtype(pi_logps, mu_logps)
+    return exp_clamped(log_ratio(pi_logps, mu_logps, dtype))
 
 
 @torch.no_grad()
@@ -114,10 +107,10 @@ def minirl_coefficient(
     The surrogate is -(π_old/μ) · min(r_old·A, clip(r_old)·A) with r_old = π/π_old, so w = (π_old/μ)·r_old = π/μ
     where the r_old clip is inactive and 0 where it is active. The IS weight is not truncated.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps, old_logps)
-    log_r_old = _log_ratio(pi_logps, old_logps, dtype)
+    dtype = compute_dtype(pi_logps, mu_logps, old_logps)
+    log_r_old = log_ratio(pi_logps, old_logps, dtype)
     high, low = _clip_active(log_r_old, advantages.to(dtype), eps_low, eps_high)
-    r = _exp_clamped(_log_ratio(pi_logps, mu_logps, dtype))
+    r = exp_clamped(log_ratio(pi_logps, mu_logps, dtype))
     return torch.where(high | low, torch.zeros_like(r), r)
 
 
@@ -130,15 +123,13 @@ def dppo_decoupled_coefficient(
     divergence: str = "binary_tv",
     delta_low: float | None = None,
     delta_high: float | None = None,
-    ratio_cap: float = math.inf,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
 ) -> Tensor:
     """DPPO with the trust region taken against the recompute: w = min(π/μ, C) · M, with M from eq. 12 on D(π, π_old)
     and the direction π vs π_old; the ratio stays π/μ. With π_old = μ it is DPPO."""
-    delta_low = default_delta(divergence) if delta_low is None else delta_low
-    delta_high = default_delta(divergence) if delta_high is None else delta_high
-    div = compute_divergence(divergence, pi_logps, old_logps)
-    keep = trust_region_mask(pi_logps, old_logps, advantages, div, delta_low, delta_high)
-    return ratio_coefficient(pi_logps, mu_logps, ratio_cap) * keep.to(div.dtype)
+    return dppo_coefficient(
+        pi_logps, mu_logps, advantages, divergence, delta_low, delta_high, ratio_cap, mask_logps=old_logps
+    )
 
 
 @torch.no_grad()
@@ -157,14 +148,14 @@ def relaxed_clip_coefficient(
     """
     if relax not in ("low", "high", "both"):
         raise ValueError(f"`relax` must be 'low', 'high' or 'both', got {relax!r}.")
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    log_r = _log_ratio(pi_logps, mu_logps, dtype)
+    dtype = compute_dtype(pi_logps, mu_logps)
+    log_r = log_ratio(pi_logps, mu_logps, dtype)
     high, low = _clip_active(log_r, advantages.to(dtype), eps_low, eps_high)
-    mu_lp = _as_logp(mu_logps, dtype)
+    mu_lp = as_logp(mu_logps, dtype)
     rare = mu_lp < math.log(alpha) if alpha > 0 else torch.zeros_like(mu_lp, dtype=torch.bool)
     if relax in ("low", "both"):
         low = low & ~rare
     if relax in ("high", "both"):
         high = high & ~rare
-    r = _exp_clamped(log_r)
+    r = exp_clamped(log_r)
     return torch.where(high | low, torch.zeros_like(r), r)

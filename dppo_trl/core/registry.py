@@ -1,16 +1,18 @@
-"""The trust regions `DPPOConfig.trust_region` can select: DPPO (the default) and the paper's ablation baselines.
+"""The trust regions `trust_region=` can select: DPPO (the default) and the paper's ablation baselines.
 
-This table is the only list of them. Config validation, the trainer's dispatch, the table in docs/api.md and the
-sanity benchmark's method list all read it. Adding a baseline is one coefficient function (same form as
-`dppo_coefficient`: `−A · w · ∇log π`) plus one entry here, plus its test.
+Every entry has one signature, `coefficient(tokens: CoefficientInputs, spec: TrustRegionSpec) -> w`: the detached
+per-token coefficient of `−A · w · ∇log π`. `dppo_trl.core.loss.policy_loss` calls it with D already computed, so an
+entry never recomputes the divergence. Adding a baseline is one decorated function here (its math in
+`dppo_trl.core.baselines`) plus its test; config validation, the docs table, the dispatch and the sanity benchmark's
+method list all read `TRUST_REGIONS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -22,10 +24,39 @@ from dppo_trl.core.baselines import (
     pg_is_coefficient,
     relaxed_clip_coefficient,
 )
-from dppo_trl.core.divergence import dppo_coefficient
+from dppo_trl.core.functional import dppo_coefficient
 
-_DPPO_FIELDS = {"divergence": "divergence", "delta_low": "delta_low", "delta_high": "delta_high"}
-_CLIP_FIELDS = {"eps_low": "epsilon", "eps_high": "epsilon"}
+if TYPE_CHECKING:
+    from dppo_trl.core.spec import TrustRegionSpec
+
+# DAPO's Clip-Higher upper ε.
+CLIP_HIGHER_EPS_HIGH = 0.28
+
+
+@dataclass(frozen=True)
+class CoefficientInputs:
+    """What a coefficient sees of one loss call: detached float32 per-token tensors of one shape.
+
+    Attributes:
+        pi_logps: log π(y_t), the current policy.
+        mu_logps: log μ(y_t), the behavior policy (sanitised: finite everywhere).
+        advantages: A in the tokens' shape.
+        divergence: D(π, μ) of `divergence_name` (eqs. 13-16), computed once per loss call.
+        divergence_name: the divergence D was computed with (`TrustRegionSpec.divergence`, or its binary form when a
+            loss call carries no top-K lists).
+        old_logps: π_old, the trainer's recompute of the generating weights; only for `needs_old_logps` entries
+            (π itself when there was no recompute: on-policy, the generating weights are the current ones).
+    """
+
+    pi_logps: Tensor
+    mu_logps: Tensor
+    advantages: Tensor
+    divergence: Tensor
+    divergence_name: str
+    old_logps: Tensor | None = None
+
+
+Coefficient = Callable[[CoefficientInputs, "TrustRegionSpec"], Tensor]
 
 
 @dataclass(frozen=True)
@@ -33,72 +64,100 @@ class TrustRegion:
     """One selectable trust region.
 
     Attributes:
-        coefficient: `(pi_logps, mu_logps, advantages, [old_logps], [div], **kwargs) -> w`, the detached
-            per-token coefficient of `−A · w · ∇log π`.
+        coefficient: `(tokens, spec) -> w`.
         summary: one line for the docs and the config's help.
-        config_fields: coefficient keyword → `DPPOConfig` field it is read from.
-        fixed: coefficient keywords that are constants of this entry.
-        needs_old_logps: takes π_old (the trainer's recompute of the generating weights) as `old_logps`.
-        uses_top_k: accepts `pi_topk_logps`/`mu_topk_logps` (the top-K divergences); the others are sampled-token
-            methods and reject `divergence='topk_*'`.
-        takes_divergence: accepts `div`, the divergence D(π, μ) of `DPPOConfig.divergence` precomputed by
-            `dppo_trl.core.objective.trust_region_coefficient` (computed once per loss call, also used by the metrics).
+        needs_old_logps: reads `tokens.old_logps` (π_old): the trainer must keep its recompute.
+        uses_top_k: its mask reads D of a top-K divergence; the other entries are sampled-token methods and refuse
+            `divergence='topk_*'`.
     """
 
-    coefficient: Callable[..., Tensor]
+    coefficient: Coefficient
     summary: str
-    config_fields: Mapping[str, str] = field(default_factory=dict)
-    fixed: Mapping[str, Any] = field(default_factory=dict)
     needs_old_logps: bool = False
     uses_top_k: bool = False
-    takes_divergence: bool = False
-
-    def kwargs(self, config: Any) -> dict[str, Any]:
-        """Keyword arguments of `coefficient` for this config."""
-        return {**self.fixed, **{name: getattr(config, source) for name, source in self.config_fields.items()}}
 
 
-TRUST_REGIONS: Mapping[str, TrustRegion] = MappingProxyType(
-    {
-        "dppo": TrustRegion(
-            dppo_coefficient,
-            "DPPO (eqs. 11-12): min(π/μ, C) · M, M masks moves away from μ with D > δ",
-            {**_DPPO_FIELDS, "ratio_cap": "ratio_cap"},
-            uses_top_k=True,
-            takes_divergence=True,
-        ),
-        "grpo_clip": TrustRegion(grpo_clip_coefficient, "GRPO/PPO ratio clip on r = π/μ, ε = `epsilon`", _CLIP_FIELDS),
-        "clip_higher": TrustRegion(
-            grpo_clip_coefficient,
-            "Clip-Higher (DAPO): GRPO clip with ε_high = 0.28",
-            {"eps_low": "epsilon"},
-            {"eps_high": 0.28},
-        ),
-        "cispo": TrustRegion(cispo_coefficient, "CISPO: truncated IS min(π/μ, 5), no mask"),
-        "pg_is": TrustRegion(pg_is_coefficient, "importance-weighted policy gradient π/μ, no trust region"),
-        "minirl": TrustRegion(
-            minirl_coefficient,
-            "MiniRL: clip on π/π_old, IS weight π_old/μ",
-            _CLIP_FIELDS,
-            needs_old_logps=True,
-        ),
-        "dppo_decoupled": TrustRegion(
-            dppo_decoupled_coefficient,
-            "DPPO with the mask taken against π_old instead of μ",
-            {**_DPPO_FIELDS, "ratio_cap": "ratio_cap"},
-            needs_old_logps=True,
-        ),
-        **{
-            f"relax_{side}": TrustRegion(
-                relaxed_clip_coefficient,
-                f"GRPO clip with the {label} removed for tokens with μ < `relax_alpha` (our reading of §6)",
-                {**_CLIP_FIELDS, "alpha": "relax_alpha"},
-                {"relax": side},
-            )
-            for side, label in (("low", "A<0 clip"), ("high", "A>0 clip"), ("both", "clips"))
-        },
-    }
+_REGISTRY: dict[str, TrustRegion] = {}
+
+
+def register_trust_region(
+    name: str, summary: str, *, needs_old_logps: bool = False, uses_top_k: bool = False
+) -> Callable[[Coefficient], Coefficient]:
+    """Register `coefficient` under `name` (import-time only: the table is frozen into `TRUST_REGIONS` below)."""
+
+    def register(coefficient: Coefficient) -> Coefficient:
+        if name in _REGISTRY:
+            raise ValueError(f"trust region {name!r} is already registered")
+        _REGISTRY[name] = TrustRegion(coefficient, summary, needs_old_logps, uses_top_k)
+        return coefficient
+
+    return register
+
+
+@register_trust_region(
+    "dppo", "DPPO (eqs. 11-12): min(π/μ, C) · M, M masks moves away from μ with D > δ", uses_top_k=True
 )
+def _dppo(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    return dppo_coefficient(
+        t.pi_logps,
+        t.mu_logps,
+        t.advantages,
+        t.divergence_name,
+        spec.delta_low,
+        spec.delta_high,
+        spec.ratio_cap,
+        div=t.divergence,
+    )
+
+
+@register_trust_region("grpo_clip", "GRPO/PPO ratio clip on r = π/μ, ε = `epsilon`")
+def _grpo_clip(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    return grpo_clip_coefficient(t.pi_logps, t.mu_logps, t.advantages, spec.epsilon, spec.epsilon)
+
+
+@register_trust_region("clip_higher", "Clip-Higher (DAPO): GRPO clip with ε_high = 0.28")
+def _clip_higher(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    return grpo_clip_coefficient(t.pi_logps, t.mu_logps, t.advantages, spec.epsilon, CLIP_HIGHER_EPS_HIGH)
+
+
+@register_trust_region("cispo", "CISPO: truncated IS min(π/μ, 5), no mask")
+def _cispo(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    return cispo_coefficient(t.pi_logps, t.mu_logps, t.advantages)
+
+
+@register_trust_region("pg_is", "importance-weighted policy gradient π/μ, no trust region")
+def _pg_is(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    return pg_is_coefficient(t.pi_logps, t.mu_logps, t.advantages)
+
+
+@register_trust_region("minirl", "MiniRL: clip on π/π_old, IS weight π_old/μ", needs_old_logps=True)
+def _minirl(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    old = t.pi_logps if t.old_logps is None else t.old_logps
+    return minirl_coefficient(t.pi_logps, t.mu_logps, t.advantages, old, spec.epsilon, spec.epsilon)
+
+
+@register_trust_region("dppo_decoupled", "DPPO with the mask taken against π_old instead of μ", needs_old_logps=True)
+def _dppo_decoupled(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    old = t.pi_logps if t.old_logps is None else t.old_logps
+    return dppo_decoupled_coefficient(
+        t.pi_logps, t.mu_logps, t.advantages, old, spec.divergence, spec.delta_low, spec.delta_high, spec.ratio_cap
+    )
+
+
+def _register_relaxed(side: str, label: str) -> None:
+    def relaxed(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+        return relaxed_clip_coefficient(
+            t.pi_logps, t.mu_logps, t.advantages, spec.relax_alpha, side, spec.epsilon, spec.epsilon
+        )
+
+    summary = f"GRPO clip with the {label} removed for tokens with μ < `relax_alpha` (our reading of §6)"
+    register_trust_region(f"relax_{side}", summary)(relaxed)
+
+
+for _side, _label in (("low", "A<0 clip"), ("high", "A>0 clip"), ("both", "clips")):
+    _register_relaxed(_side, _label)
+
+TRUST_REGIONS: Mapping[str, TrustRegion] = MappingProxyType(_REGISTRY)
 
 
 def trust_region_table() -> str:

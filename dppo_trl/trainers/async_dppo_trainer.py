@@ -11,7 +11,7 @@ The glue (no copy of the parent's `compute_loss`, see docs/theory.md "Asynchrono
    `log_probs`/`entropy` (TRL's fused LM head), and the batch with its advantages zeroed, so the parent's own PPO-clip
    surrogate contributes no gradient (its `ratio`/`kl`/`entropy` metrics stay true π/μ statistics; its clip metrics,
    always 0 then, are dropped). The DPPO term `−A · sg(w) · π/sg(π)` (value `−A·w`, gradient `−A·w·∇log π`) with
-   `w = trust_region_coefficient(...)` of `dppo_trl.core.objective`, plus the optional μ-KL term, is added with the
+   `w` from `dppo_trl.core.loss.policy_loss`, plus the optional μ-KL term, is added with the
    parent's normalisation (tokens per rank × gradient accumulation).
 2. **Staleness.** TRL computes each sample's staleness in its queue dataset but drops it before packing. The trainer
    wraps the rollout queue so each sample it hands out carries its `model_version` in its `metrics` dict, and a
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -43,16 +43,11 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
-from dppo_trl.core.objective import (
-    TokenView,
-    mu_kl_per_token,
-    trust_region_coefficient,
-    trust_region_metrics,
-    trust_region_stats,
-)
+from dppo_trl.core.functional import sanitize_behavior_logps
+from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
-from dppo_trl.trainers.config import DPPOConfig, resolve_default_deltas, validate_trust_region_fields
-from dppo_trl.trainers.vllm_topk import sanitize_behavior_logps
+from dppo_trl.trainers.config import TrustRegionFields
+from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 
 __all__ = ["SAMPLE_VERSION", "AsyncDPPOConfig", "AsyncDPPOTrainer"]
 
@@ -61,32 +56,6 @@ SAMPLE_VERSION = "dppo_sample_version"
 # Where the version rides from the queue to the collator: the sample's per-sample `metrics` dict, which TRL passes
 # through its queue dataset and batcher untouched. The collator removes it before TRL aggregates those metrics.
 _VERSION_KEY = "dppo/_model_version"
-# The parent's PPO-clip metrics: with the advantages it sees zeroed they are always 0, so they are dropped.
-_CLIP_METRICS = (
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "clip_ratio/low_min",
-    "clip_ratio/high_max",
-)
-# The trust-region fields shared with `DPPOConfig` (same defaults and help; validated by the same function).
-_SHARED_FIELDS = (
-    "divergence",
-    "delta_low",
-    "delta_high",
-    "divergence_top_k",
-    "ratio_cap",
-    "mu_kl_coef",
-    "anchor",
-    "trust_region",
-    "relax_alpha",
-)
-
-
-def _shared_field(name: str) -> Any:
-    """`DPPOConfig`'s dataclass field `name` (default and help), declared again on `AsyncDPPOConfig`."""
-    source = DPPOConfig.__dataclass_fields__[name]
-    return field(default=source.default, metadata=dict(source.metadata))
 
 
 def _cuda_available() -> bool:
@@ -94,7 +63,7 @@ def _cuda_available() -> bool:
 
 
 @dataclass
-class AsyncDPPOConfig(AsyncGRPOConfig):
+class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
     r"""
     Configuration for [`AsyncDPPOTrainer`]: every `trl.experimental.async_grpo.AsyncGRPOConfig` field, plus DPPO's
     trust-region fields with the same meaning, defaults and validation as in [`DPPOConfig`]: `divergence`,
@@ -112,19 +81,9 @@ class AsyncDPPOConfig(AsyncGRPOConfig):
     `epsilon`.
     """
 
-    divergence: str = _shared_field("divergence")
-    delta_low: float | None = _shared_field("delta_low")
-    delta_high: float | None = _shared_field("delta_high")
-    divergence_top_k: int = _shared_field("divergence_top_k")
-    ratio_cap: float = _shared_field("ratio_cap")
-    mu_kl_coef: float = _shared_field("mu_kl_coef")
-    anchor: str = _shared_field("anchor")
-    trust_region: str = _shared_field("trust_region")
-    relax_alpha: float = _shared_field("relax_alpha")
-
     def __post_init__(self):
         super().__post_init__()
-        validate_trust_region_fields(self)
+        self._resolve_trust_region()
         if self.divergence.startswith("topk_"):
             raise ValueError(
                 f"divergence={self.divergence!r} needs μ's top-K log-probs, which TRL's asynchronous rollout worker "
@@ -143,7 +102,6 @@ class AsyncDPPOConfig(AsyncGRPOConfig):
                 "the asynchronous trainer does not have. Use a baseline that needs no π_old: "
                 f"{[name for name, entry in TRUST_REGIONS.items() if not entry.needs_old_logps]}."
             )
-        resolve_default_deltas(self)
 
 
 class _VersionTaggingQueue:
@@ -220,6 +178,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self.trust_region_spec = self.args.trust_region_spec()
 
     def get_train_dataloader(self):
         # The only change: each sample's sampling version travels with it into the batch (`SAMPLE_VERSION`).
@@ -237,9 +196,6 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
         with attention:
             loss = super().compute_loss(capture, parent_inputs, return_outputs, num_items_in_batch)
-        metrics = self._metrics["train"]
-        for key in _CLIP_METRICS:
-            metrics.pop(key, None)
         return loss + self._dppo_loss(inputs, capture, versions)
 
     def _dppo_loss(self, inputs: dict, capture: _ForwardCapture, versions: torch.Tensor | None) -> torch.Tensor:
@@ -253,24 +209,23 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         if versions is not None:
             sample_versions = versions.reshape(-1, versions.shape[-1])[0]
             staleness = (self._policy_version() - sample_versions[inputs["segment_id"][selected]]).clamp(min=0)
-        view = TokenView(
-            pi_logps=pi_logps.detach()[None],
-            mu_logps=mu_logps[None],
-            advantages=advantages[None],
-            tokens=torch.ones_like(valid)[None],
-            valid=valid[None],
-            entropies=entropies.detach()[None] if entropies is not None else None,
-            staleness=staleness[None] if staleness is not None else None,
+        outputs = policy_loss(
+            self.trust_region_spec,
+            LossInputs(
+                pi_logps=pi_logps,
+                mu_logps=mu_logps,
+                advantages=advantages,
+                tokens=torch.ones_like(valid),
+                valid=valid,
+                entropies=entropies.detach() if entropies is not None else None,
+                staleness=staleness,
+            ),
         )
-        coef, divergence = trust_region_coefficient(self.args, view)
-        # Value −A·w (the surrogate's value, as the parent reports), gradient −A·w·∇log π (eq. 11).
-        per_token = -advantages * coef[0] * torch.exp(pi_logps - pi_logps.detach())
-        if self.args.mu_kl_coef > 0:
-            per_token = per_token + mu_kl_per_token(self.args, pi_logps[None], mu_logps[None], view.counted)[0]
+        per_token = outputs.policy_loss if outputs.mu_kl is None else outputs.policy_loss + outputs.mu_kl
         # The parent's normalisation: tokens per rank, then gradient accumulation (pinned by tests/test_async_dppo.py).
         tokens_per_rank = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
         loss = per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
-        self._log_dppo_metrics(view, coef, divergence)
+        log_trust_region_metrics(self, outputs.stats, "train")
         return loss
 
     def _policy_version(self) -> int:
@@ -280,13 +235,3 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         from accelerate.utils import broadcast_object_list
 
         return int(broadcast_object_list([self.model_version], from_process=0)[0])
-
-    def _log_dppo_metrics(self, view: TokenView, coef: torch.Tensor, divergence: torch.Tensor) -> None:
-        stats = trust_region_stats(self.args, view, coef, divergence, max_staleness=self.args.max_staleness)
-        metrics = trust_region_metrics(
-            stats,
-            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"),
-            reduce_max=lambda t: self.accelerator.gather(t).view(-1, t.numel()).max(dim=0).values,
-        )
-        for key, value in metrics.items():
-            self._metrics["train"][key].append(value)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig
 
-from dppo_trl.core.divergence import DIVERGENCES, default_delta
+from dppo_trl.core.functional import DEFAULT_DELTAS, DEFAULT_RATIO_CAP, DIVERGENCES
 from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.core.spec import TrustRegionSpec
 
 # vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
 VLLM_COLOCATE_MAX_LOGPROBS = 20
@@ -22,36 +22,8 @@ SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
 
 
-def validate_trust_region_fields(config: Any) -> None:
-    """Validate the trust-region fields shared by `DPPOConfig` and `AsyncDPPOConfig` (`divergence`, `delta_low`,
-    `delta_high`, `divergence_top_k`, `ratio_cap`, `mu_kl_coef`, `trust_region`, `relax_alpha`) and warn about
-    sampling options that bias μ. Each config adds the checks specific to its parent trainer."""
-    if config.divergence not in DIVERGENCES:
-        raise ValueError(f"divergence={config.divergence!r} is not supported; choose one of {list(DIVERGENCES)}.")
-    for name in ("delta_low", "delta_high"):
-        value = getattr(config, name)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number > 0 (got {value}); `None` picks the authors' value.")
-    if not (math.isfinite(config.ratio_cap) and config.ratio_cap >= 1.0):
-        raise ValueError(
-            f"ratio_cap must be finite and ≥ 1 (got {config.ratio_cap}). To run with the cap effectively off as the "
-            "authors did, use a large finite value such as 1e4."
-        )
-    if not (math.isfinite(config.mu_kl_coef) and config.mu_kl_coef >= 0.0):
-        raise ValueError(f"mu_kl_coef must be finite and ≥ 0 (got {config.mu_kl_coef}); 0.0 turns the μ-KL term off.")
-    if config.trust_region not in TRUST_REGIONS:
-        raise ValueError(
-            f"trust_region={config.trust_region!r} is not supported; choose one of {list(TRUST_REGIONS)}."
-        )
-    if not TRUST_REGIONS[config.trust_region].uses_top_k and config.divergence.startswith("topk_"):
-        raise ValueError(
-            f"trust_region={config.trust_region!r} is a sampled-token baseline; it does not use μ's top-K. Use "
-            "divergence='binary_tv' or 'binary_kl' with it."
-        )
-    if not 0.0 < config.relax_alpha <= 1.0:
-        raise ValueError(f"relax_alpha must be in (0, 1], got {config.relax_alpha}.")
-    if config.divergence.startswith("topk_") and config.divergence_top_k < 1:
-        raise ValueError(f"divergence_top_k must be ≥ 1 for divergence={config.divergence!r}.")
+def warn_truncated_sampling(config: Any) -> None:
+    """Warn about sampling options that bias μ against π (both configs call it)."""
     if config.top_p < 1.0 or config.top_k > 0 or (config.min_p or 0.0) > 0.0 or config.repetition_penalty != 1.0:
         warnings.warn(
             f"Sampling with top_p={config.top_p}, top_k={config.top_k}, min_p={config.min_p}, "
@@ -64,16 +36,109 @@ def validate_trust_region_fields(config: Any) -> None:
         )
 
 
-def resolve_default_deltas(config: Any) -> None:
-    """Fill `delta_low`/`delta_high` left at `None` with the authors' value for `config.divergence`."""
-    if config.delta_low is None:
-        config.delta_low = default_delta(config.divergence)
-    if config.delta_high is None:
-        config.delta_high = default_delta(config.divergence)
+@dataclass
+class TrustRegionFields:
+    """The trust-region fields `DPPOConfig` and `AsyncDPPOConfig` share, declared once (docs in `DPPOConfig`).
+
+    `trust_region_spec()` validates them into the frozen `TrustRegionSpec` the loss reads; each config calls it in
+    `__post_init__` and keeps the resolved δs.
+    """
+
+    divergence: str = field(
+        default="binary_tv",
+        metadata={
+            "help": "Divergence D of the trust region: `binary_tv` (|π−μ| of the sampled token, eq. 13), `binary_kl` "
+            "(KL of the Bernoulli pair (μ, 1−μ)‖(π, 1−π), eq. 14), `topk_tv` / `topk_kl` (TV / KL(μ‖π) over "
+            "TopK(μ) ∪ {sampled} plus one 'other' bucket, eqs. 15–16).",
+            "choices": list(DIVERGENCES),
+        },
+    )
+    delta_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "Trust-region threshold δ_low for negative-advantage tokens. `None` uses the authors' value: "
+            f"{DEFAULT_DELTAS['tv']} for TV divergences, {DEFAULT_DELTAS['kl']} for KL divergences."
+        },
+    )
+    delta_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Trust-region threshold δ_high for positive-advantage tokens. `None` uses the authors' value: "
+            f"{DEFAULT_DELTAS['tv']} for TV divergences, {DEFAULT_DELTAS['kl']} for KL divergences."
+        },
+    )
+    divergence_top_k: int = field(
+        default=20,
+        metadata={
+            "help": "K for the top-K divergences: how many of μ's most likely tokens the engine reports per position. "
+            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server (or "
+            "`python -m dppo_trl.backends.cpu.vllm_server` on CPU) must run with `--max-logprobs` ≥ K. Ignored by "
+            "the binary divergences."
+        },
+    )
+    ratio_cap: float = field(
+        default=DEFAULT_RATIO_CAP,
+        metadata={
+            "help": "Safety cap C in `stopgrad(min(π/μ, C))` (eq. 11). It bounds the weight of rare tokens the engine "
+            "sampled at a much lower probability than the trainer assigns. The authors ran with the cap effectively "
+            f"off (C = 10000); {DEFAULT_RATIO_CAP} follows TRL's removed DPPOTrainer. Must be finite and ≥ 1."
+        },
+    )
+    mu_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "τ of the μ-KL penalty τ · (log π − log μ)² on every valid completion token (A = 0 tokens "
+            "included), aggregated exactly like the policy term for each `loss_type`; prime-rl's `kl_tau` (1e-3 "
+            "there). 0.0 (default) turns it off. Must be finite and ≥ 0."
+        },
+    )
+    anchor: str = field(
+        default="behavior",
+        metadata={
+            "help": "What μ is. `behavior` (default): the log-probs the rollout engine reported when it sampled "
+            "(vLLM's processed log-probs, or the generating weights on the transformers path). `recompute`: the "
+            "trainer's recomputed π_old — an ablation only (the paper, §5.2, shows it collapses); it costs an "
+            "extra forward pass per generation batch.",
+            "choices": list(ANCHORS),
+        },
+    )
+    trust_region: str = field(
+        default="dppo",
+        metadata={
+            "help": "Ablations only: replace DPPO's trust region by a baseline, on the same μ-anchored data path. "
+            "`grpo_clip` (ratio clip ε=`epsilon`), `clip_higher` (ε_high=0.28), `cispo` (truncated IS at 5, no "
+            "mask), `pg_is` (no trust region), `minirl` (clip on π/π_old, IS π_old/μ), `dppo_decoupled` (mask from "
+            "D(π, π_old)), `relax_low`/`relax_high`/`relax_both` (GRPO clip with the negative/positive/both sides "
+            "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). The list is "
+            "`dppo_trl.core.registry.TRUST_REGIONS`.",
+            "choices": list(TRUST_REGIONS),
+        },
+    )
+    relax_alpha: float = field(
+        default=0.1,
+        metadata={"help": "α of the `relax_*` ablations: tokens whose behavior probability μ is below α are relaxed."},
+    )
+
+    @property
+    def uses_top_k(self) -> bool:
+        """Whether the divergence needs μ's top-K log-probs."""
+        return self.divergence.startswith("topk_")
+
+    def trust_region_spec(self) -> TrustRegionSpec:
+        """The validated, frozen spec of these fields (δs resolved) that the loss reads."""
+        return TrustRegionSpec.from_config(self)
+
+    def _resolve_trust_region(self) -> None:
+        """Validate the shared fields and keep the resolved δs (`None` → the authors' value)."""
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
+        spec = self.trust_region_spec()
+        self.delta_low, self.delta_high = spec.delta_low, spec.delta_high
+        warn_truncated_sampling(self)
 
 
 @dataclass
-class DPPOConfig(GRPOConfig):
+class DPPOConfig(TrustRegionFields, GRPOConfig):
     r"""
     Configuration for [`DPPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the DPPO trust region.
 
@@ -130,79 +195,6 @@ class DPPOConfig(GRPOConfig):
     `epsilon`/`epsilon_high` clip is not used by DPPO (only by the `grpo_clip`-family ablations).
     """
 
-    divergence: str = field(
-        default="binary_tv",
-        metadata={
-            "help": "Divergence D of the trust region: `binary_tv` (|π−μ| of the sampled token, eq. 13), `binary_kl` "
-            "(KL of the Bernoulli pair (μ, 1−μ)‖(π, 1−π), eq. 14), `topk_tv` / `topk_kl` (TV / KL(μ‖π) over "
-            "TopK(μ) ∪ {sampled} plus one 'other' bucket, eqs. 15–16).",
-            "choices": list(DIVERGENCES),
-        },
-    )
-    delta_low: float | None = field(
-        default=None,
-        metadata={
-            "help": "Trust-region threshold δ_low for negative-advantage tokens. `None` uses the authors' value: "
-            "0.15 for TV divergences, 0.05 for KL divergences."
-        },
-    )
-    delta_high: float | None = field(
-        default=None,
-        metadata={
-            "help": "Trust-region threshold δ_high for positive-advantage tokens. `None` uses the authors' value: "
-            "0.15 for TV divergences, 0.05 for KL divergences."
-        },
-    )
-    divergence_top_k: int = field(
-        default=20,
-        metadata={
-            "help": "K for the top-K divergences: how many of μ's most likely tokens the engine reports per position. "
-            "vLLM colocate mode caps it at 20 (vLLM's default `max_logprobs`); a `trl vllm-serve` server (or `python -m dppo_trl.backends.cpu.vllm_server` on CPU) must run "
-            "with `--max-logprobs` ≥ K. Ignored by the binary divergences."
-        },
-    )
-    ratio_cap: float = field(
-        default=20.0,
-        metadata={
-            "help": "Safety cap C in `stopgrad(min(π/μ, C))` (eq. 11). It bounds the weight of rare tokens the engine "
-            "sampled at a much lower probability than the trainer assigns. The authors ran with the cap effectively "
-            "off (C = 10000); 20.0 follows TRL's removed DPPOTrainer. Must be finite and ≥ 1."
-        },
-    )
-    mu_kl_coef: float = field(
-        default=0.0,
-        metadata={
-            "help": "τ of the μ-KL penalty τ · (log π − log μ)² on every valid completion token (A = 0 tokens "
-            "included), aggregated exactly like the policy term for each `loss_type`; prime-rl's `kl_tau` (1e-3 "
-            "there). 0.0 (default) turns it off. Must be finite and ≥ 0."
-        },
-    )
-    anchor: str = field(
-        default="behavior",
-        metadata={
-            "help": "What μ is. `behavior` (default): the log-probs the rollout engine reported when it sampled "
-            "(vLLM's processed log-probs, or the generating weights on the transformers path). `recompute`: the "
-            "trainer's recomputed π_old — an ablation only (the paper, §5.2, shows it collapses); it costs an "
-            "extra forward pass per generation batch.",
-            "choices": list(ANCHORS),
-        },
-    )
-    trust_region: str = field(
-        default="dppo",
-        metadata={
-            "help": "Ablations only: replace DPPO's trust region by a baseline, on the same μ-anchored data path. "
-            "`grpo_clip` (ratio clip ε=`epsilon`), `clip_higher` (ε_high=0.28), `cispo` (truncated IS at 5, no "
-            "mask), `pg_is` (no trust region), `minirl` (clip on π/π_old, IS π_old/μ), `dppo_decoupled` (mask from "
-            "D(π, π_old)), `relax_low`/`relax_high`/`relax_both` (GRPO clip with the negative/positive/both sides "
-            "removed for tokens with μ < `relax_alpha`; our reading of the paper's §6). The list is "
-            "`dppo_trl.core.registry.TRUST_REGIONS`.",
-            "choices": list(TRUST_REGIONS),
-        },
-    )
-    relax_alpha: float = field(
-        default=0.1,
-        metadata={"help": "α of the `relax_*` ablations: tokens whose behavior probability μ is below α are relaxed."},
-    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={
@@ -223,18 +215,10 @@ class DPPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._resolve_trust_region()
         self._validate_dppo()
-        resolve_default_deltas(self)
-
-    @property
-    def uses_top_k(self) -> bool:
-        """Whether the divergence needs μ's top-K log-probs."""
-        return self.divergence.startswith("topk_")
 
     def _validate_dppo(self) -> None:
-        validate_trust_region_fields(self)
-        if self.anchor not in ANCHORS:
-            raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
         if self.uses_top_k:
             if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(

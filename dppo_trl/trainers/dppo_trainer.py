@@ -1,39 +1,43 @@
 """`DPPOTrainer`: GRPOTrainer with DPPO's divergence trust region anchored on the rollout engine's μ.
 
-The objective is `dppo_trl.core.divergence.dppo_coefficient` (eq. 11): per completion token the gradient is
-`−A · w · ∇log π` with `w = min(π/μ, C) · M` (eq. 12's mask on the divergences of eqs. 13-16). The ablation
-baselines of `dppo_trl.core.registry.TRUST_REGIONS` return a coefficient of the same form. This module is the glue that
-makes GRPOTrainer's own loss compute it, without copying any of it:
+DPPO's loss is `dppo_trl.core.loss.policy_loss` (eq. 11 with the trust region of `args.trust_region`). This module is
+the adapter that makes GRPOTrainer's own `_compute_loss` apply it, so the entropy mask, β-KL (bias-corrected too),
+the five aggregations, the entropy bonus, the MoE aux loss and gradient-accumulation scaling stay TRL's:
 
-GRPOTrainer's per-token policy term for the `dapo`/`grpo`/`dr_grpo`/`bnpo`/`luspo` aggregations is
-`−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) · m`, with `r = exp(log π − old)` and `m` the off-policy mask returned by the
-`get_off_policy_mask` hook. DPPOTrainer
+    DPPOTrainer._compute_loss(model, inputs)
+      └ GRPOTrainer._compute_loss(model, inputs)          π = self._get_per_token_logps_and_entropies(...)
+          └ self.get_off_policy_mask(advantages, π, μ, mask)   ← DPPO's weight m, at TRL's per-token mask slot
+            = self._off_policy_mask(...) → self._dppo_weight(call, ...)
+                  └ policy_loss(spec, LossInputs(π, μ, A, ...)) → coef w, D, μ-KL, stats
+                  └ m = opened_clip_weight(w, π, μ)
+          per-token term −r·A·m (clip opened, r = π/μ) = eq. 11: value −A·w, gradient −A·w·∇log π
+      + the μ-KL term, aggregated like the policy term; `dppo/*` metrics logged once
 
-1. writes μ (the engine's log-probs, not a recompute) into `old_per_token_logps` (`_generate_and_score_completions`);
-2. opens the clip (`ε_low = 1`, `ε_high = ∞`), so the term is `−r·A·m`;
-3. returns `m = w / r` from `get_off_policy_mask` (`parent_weight`), so the parent's term has gradient `−A·w·∇log π`.
-   The hook stays TRL's static method (TRL's OPSM outside a DPPO loss call); the batch reaches it through the one
-   per-call channel `_seam_call` (docs/theory.md). Every DPPO quantity (the view, `w`, D, the metrics, the observers'
-   view, the μ-KL term) comes from `dppo_trl.core.objective`, the core the asynchronous trainer shares.
+What TRL 1.16 offers no seam for, and how this adapter bridges it (each pinned in tests/trl_contract.py; the TRL
+change that removes it is in docs/upstream.md):
 
-Every other part of the parent's loss — the aggregation (`loss_type`), β-KL against the reference, the entropy
-bonus, the entropy mask, the MoE router aux loss, gradient-accumulation scaling, metrics — is GRPOTrainer's own.
-`tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`, for each
-aggregation, and `tests/test_trl_contract.py` pins the parent internals this relies on (`tests/trl_contract.py`).
+1. μ is the parent's `old_per_token_logps` (the engine's log-probs written at generation), so `r = π/μ`;
+2. the parent's ratio clip is opened (`epsilon_low = 1`, `epsilon_high = ∞`) and `off_policy_mask_threshold = ∞`
+   makes the parent call its mask hook (a user's own OPSM threshold still multiplies in);
+3. the mask hook is static in TRL (`_StaticOnClassBoundOnInstance` keeps it TRL's on the class and binds it on the
+   instance) and receives π but not the batch: `_compute_loss` hands the batch to it through `self._loss_call`, an
+   instance slot set for the duration of that one parent call and cleared after, even on error;
+4. GRPOTrainer runs a no-grad π_old pass whenever generation and optimisation are misaligned; DPPO anchors on μ, so
+   `_get_per_token_logps_and_entropies` declines that pass (`_decline_old_pass`) instead of paying a forward.
+
+`tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fractions
 import inspect
 import logging
 import math
 import os
 import textwrap
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer
@@ -46,16 +50,9 @@ from dppo_trl.backends.cpu.vllm_cpu import (
     trainer_construction_patches,
     trainer_cpu_threads,
 )
-from dppo_trl.core.objective import (
-    TokenView,
-    aggregate_per_token_loss,
-    mu_kl_per_token,
-    observer_record,
-    trust_region_coefficient,
-    trust_region_metrics,
-    trust_region_stats,
-)
-from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.core.functional import sanitize_behavior_logps
+from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
+from dppo_trl.core.metrics import observer_record
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
 from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
@@ -63,21 +60,14 @@ from dppo_trl.hardening.model_card import dataset_for_card, finish_model_card
 from dppo_trl.hardening.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
 from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
 from dppo_trl.trainers.config import DPPOConfig
-from dppo_trl.trainers.vllm_topk import VLLMTopKCapture, sanitize_behavior_logps
+from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
 logger = logging.getLogger(__name__)
 
 # μ of a valid token is clamped here before GRPOTrainer exponentiates `log π − μ`: exp(60) is finite in fp32, and the
 # weight returned by `get_off_policy_mask` is computed against the clamped value, so the product stays exact.
 _MU_FLOOR = -60.0
-# GRPOTrainer's clip metrics; with the clip opened they are always 0, so they are dropped to avoid misleading logs.
-_GRPO_CLIP_METRICS = (
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "clip_ratio/low_min",
-    "clip_ratio/high_max",
-)
 # Extra per-row keys DPPOTrainer adds to the generation batch (batch-major, so TRL's shuffle/split keeps them aligned).
 BEHAVIOR_LOGPS = "dppo_behavior_logps"
 BEHAVIOR_VALID = "dppo_behavior_valid"
@@ -86,54 +76,42 @@ BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 RECOMPUTED_LOGPS = "dppo_recomputed_logps"  # π_old, kept only for the ablations that need it
 
 
-def parent_weight(coef: torch.Tensor, pi_logps: torch.Tensor, parent_old_logps: torch.Tensor) -> torch.Tensor:
-    """The weight `m` for GRPOTrainer's opened-clip term `−r·A·m`, `r = exp(π − old)`, such that its gradient is
-    `−A · coef · ∇log π`: `m = coef / r`, detached, computed in log space (r can underflow to 0 while 1/r overflows).
-    Shared by DPPO and every baseline."""
-    log_r = pi_logps - parent_old_logps
-    return torch.where(coef > 0, torch.exp(torch.log(coef) - log_r), torch.zeros_like(coef))
-
-
 @dataclass
-class _SeamCall:
-    """The one explicit channel from a DPPOTrainer method into the parent seams it calls (docs/theory.md).
-
-    GRPOTrainer's `_compute_loss` computes π inside and hands it to two of its seams: the log-prob pass
-    (`_get_per_token_logps_and_entropies`) and the mask hook (`get_off_policy_mask`, a static method). A DPPOTrainer
-    method that calls into the parent opens one `_SeamCall` with `_seam_call(...)`; those seams read it through
-    `_SEAM_CALL` for the duration of that call only, and write back what they saw. Nothing outlives the call.
+class _LossCall:
+    """What one DPPOTrainer call into the parent hands the parent's seams, and what they hand back.
 
     Attributes:
         want_hidden: the log-prob pass keeps the final hidden states (top-K divergences).
-        inputs: loss calls only: the batch (μ, its validity, π_old, μ's top-K).
-        on_mask: loss calls only: computes the weight the mask hook returns.
+        batch: loss calls only: the batch (μ, its validity, π_old, μ's top-K).
         hidden, entropies: written by the log-prob pass.
-        view, coef, divergence, mask, mu_kl: written by the mask hook (mu_kl keeps π's graph).
+        inputs, outputs, mask: written by the mask hook: the core's inputs and outputs for this call.
     """
 
     want_hidden: bool
-    inputs: dict | None = None
-    on_mask: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+    batch: dict | None = None
     hidden: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
-    view: TokenView | None = None
-    coef: torch.Tensor | None = None
-    divergence: torch.Tensor | None = None
+    inputs: LossInputs | None = None
+    outputs: LossOutputs | None = None
     mask: torch.Tensor | None = None
-    mu_kl: torch.Tensor | None = None
 
 
-_SEAM_CALL: ContextVar[_SeamCall | None] = ContextVar("dppo_seam_call", default=None)
+class _StaticOnClassBoundOnInstance(staticmethod):
+    """A TRL static hook that stays TRL's on the class and is an instance method of the trainer on an instance.
 
+    GRPOTrainer declares `get_off_policy_mask` static and calls it as `self.get_off_policy_mask(...)`; code that calls
+    it on the class (`DPPOTrainer.get_off_policy_mask(...)`, as TRL's own tests do) gets TRL's function, and
+    `trainer.get_off_policy_mask` is `trainer.<method_name>`, which can read the trainer's loss call.
+    """
 
-@contextlib.contextmanager
-def _seam_call(call: _SeamCall) -> Iterator[_SeamCall]:
-    """Make `call` visible to the parent's seams for the duration of the block (reset even on error)."""
-    token = _SEAM_CALL.set(call)
-    try:
-        yield call
-    finally:
-        _SEAM_CALL.reset(token)
+    def __init__(self, function, method_name: str):
+        super().__init__(function)
+        self.method_name = method_name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self.__func__
+        return getattr(instance, self.method_name)
 
 
 class DPPOTrainer(GRPOTrainer):
@@ -188,7 +166,12 @@ class DPPOTrainer(GRPOTrainer):
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
         self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
 
-        # Open GRPO's ratio clip: DPPO's trust region is the mask returned by `get_off_policy_mask`.
+        self.trust_region_spec = self.args.trust_region_spec()
+        # Seam 3 (module docstring): the per-call slot the parent's seams read; `None` outside a DPPO call.
+        self._loss_call: _LossCall | None = None
+        # Seam 4: set while the parent generates a batch whose π_old pass DPPO declines.
+        self._decline_old_pass = False
+        # Seam 2: open GRPO's ratio clip: DPPO's trust region is the weight returned by `get_off_policy_mask`.
         self.epsilon_low, self.epsilon_high = 1.0, math.inf
         # A non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if any)
         # still applies on top, through `self.args.off_policy_mask_threshold`.
@@ -213,13 +196,16 @@ class DPPOTrainer(GRPOTrainer):
         """Generate with the parent, then make `old_per_token_logps` the behavior policy μ and attach μ's top-K."""
         if self._vllm_topk is not None:
             self._vllm_topk.reset()
-        with self._parent_old_logps_skipped(self._discards_parent_old_logps()):
+        self._decline_old_pass = self._parent_recomputes_old_logps() and self._discards_parent_old_logps()
+        try:
             output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._decline_old_pass = False
         mask = (
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
 
-        if TRUST_REGIONS[self.args.trust_region].needs_old_logps:
+        if self.trust_region_spec.region.needs_old_logps:
             recomputed = output.get("old_per_token_logps")
             if recomputed is None and self.use_vllm:
                 recomputed, _ = self._policy_forward(output, mask, want_topk=False)
@@ -252,34 +238,37 @@ class DPPOTrainer(GRPOTrainer):
         generation, where the parent's recompute of the generating weights *is* μ.
         """
         engine_mu = self.use_vllm or self.rollout_func is not None
-        region = TRUST_REGIONS[self.args.trust_region]
+        region = self.trust_region_spec.region
         return engine_mu and self.args.anchor == "behavior" and not region.needs_old_logps
 
-    @contextlib.contextmanager
-    def _parent_old_logps_skipped(self, skip: bool):
-        """For the duration of the parent's `_generate_and_score_completions`, make its π_old condition false.
+    def _parent_recomputes_old_logps(self) -> bool:
+        """GRPOTrainer 1.16's own condition for its no-grad π_old pass in `_generate_and_score_completions`
+        (misaligned generation and optimisation, or vLLM IS correction; pinned in tests/trl_contract.py)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
 
-        GRPOTrainer recomputes π_old when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`
-        (or for vLLM IS correction, which `DPPOConfig` refuses with `anchor="behavior"`). Inside that method
-        `self.num_iterations` is read only by this condition (pinned in `tests/trl_contract.py`), so an exact
-        `Fraction(GA, steps_per_generation)` makes the modulus 0 for any shape; the integer is restored on exit.
-        Nothing else changes: the reference pass (β > 0), rewards and advantages are the parent's as before.
-        Chosen over declining the policy call in `_get_per_token_logps_and_entropies`: the PEFT reference pass makes
-        the same call with `self.model` (adapter disabled), so the two cannot be told apart there.
-        """
-        if not skip:
-            yield
-            return
-        saved = self.num_iterations
-        self.num_iterations = fractions.Fraction(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+    @contextlib.contextmanager
+    def _calling_parent(self, call: _LossCall) -> Iterator[_LossCall]:
+        """Make `call` the parent seams' slot for the duration of the block (cleared even on error)."""
+        if self._loss_call is not None:
+            raise RuntimeError("DPPOTrainer calls into GRPOTrainer are not re-entrant.")
+        self._loss_call = call
         try:
-            yield
+            yield call
         finally:
-            self.num_iterations = saved
+            self._loss_call = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """Parent's fused log-prob pass; inside a DPPO call (`_seam_call`), also keep the hidden states and entropies."""
-        capture = _SEAM_CALL.get()
+        """Parent's fused log-prob pass; inside a DPPO call (`_calling_parent`), also keep the hidden states and
+        entropies. While generating a batch whose π_old DPPO does not use, decline the parent's π_old pass: in
+        GRPOTrainer 1.16 it is the first policy pass after sampling whenever `_parent_recomputes_old_logps()` (source
+        order pinned), and `(None, None, None)` is what the parent then stores as "no π_old"."""
+        if self._decline_old_pass:
+            self._decline_old_pass = False
+            return None, None, None
+        capture = self._loss_call
         if capture is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -304,20 +293,17 @@ class DPPOTrainer(GRPOTrainer):
         return result
 
     def _compute_loss(self, model, inputs):
-        """Parent's loss, with DPPO's trust region supplied through `get_off_policy_mask`, plus the μ-KL term."""
+        """Parent's loss with DPPO's per-token weight at its mask slot (`get_off_policy_mask`), plus the μ-KL term."""
         inputs = _with_behavior_invariants(inputs)
-        call = _SeamCall(want_hidden=self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs, inputs=inputs)
-        call.on_mask = self._trust_region_weight
-        with _seam_call(call):
+        call = _LossCall(want_hidden=self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs, batch=inputs)
+        with self._calling_parent(call):
             loss = super()._compute_loss(model, inputs)
-        mode = "train" if self.model.training else "eval"
-        for key in _GRPO_CLIP_METRICS:
-            self._metrics[mode].pop(key, None)
-        if call.view is None:
+        if call.outputs is None or call.inputs is None or call.mask is None:
             raise RuntimeError("GRPOTrainer._compute_loss did not call `get_off_policy_mask`: see trl_contract.py.")
-        if call.mu_kl is not None:
+        mode = "train" if self.model.training else "eval"
+        if call.outputs.mu_kl is not None:
             loss = loss + aggregate_per_token_loss(
-                call.mu_kl,
+                call.outputs.mu_kl,
                 call.mask,
                 self.loss_type,
                 max_completion_length=self.max_completion_length,
@@ -330,26 +316,24 @@ class DPPOTrainer(GRPOTrainer):
         self._log_trust_region(call, mode)
         return loss
 
-    @staticmethod
-    def get_off_policy_mask(
+    def _off_policy_mask(
+        self,
         advantages: torch.Tensor,
         per_token_logps: torch.Tensor,
         sampling_per_token_logps: torch.Tensor,
         mask: torch.Tensor,
         off_policy_threshold: float,
     ) -> torch.Tensor:
-        """TRL's static OPSM hook, unchanged outside a DPPO loss call.
-
-        Inside `DPPOTrainer._compute_loss` (the parent's loss calls this hook with π) it returns DPPO's per-token
-        weight `M · min(π/μ, C) / (π/μ)` (eqs. 11-12), times the user's OPSM mask if `off_policy_mask_threshold` is
-        set; the call is reached through the `_SeamCall` that `_compute_loss` opened.
-        """
-        call = _SEAM_CALL.get()
-        if call is None or call.on_mask is None:
+        """What `self.get_off_policy_mask(...)` is on a DPPOTrainer: the per-token weight GRPOTrainer's loss multiplies
+        its policy term by. DPPO's `opened_clip_weight` inside a DPPO loss call, TRL's OPSM mask anywhere else."""
+        call = self._loss_call
+        if call is None or call.batch is None:
             return GRPOTrainer.get_off_policy_mask(
                 advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
             )
-        return call.on_mask(call, advantages, per_token_logps, sampling_per_token_logps, mask)
+        return self._dppo_weight(call, advantages, per_token_logps, sampling_per_token_logps, mask)
+
+    get_off_policy_mask = _StaticOnClassBoundOnInstance(GRPOTrainer.get_off_policy_mask, "_off_policy_mask")
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card with honest provenance and versions (`dppo_trl/hardening/model_card.py`), plus the DPPO settings."""
@@ -465,7 +449,7 @@ class DPPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].size(1)
-        with _seam_call(_SeamCall(want_hidden=want_topk)) as capture:
+        with self._calling_parent(_LossCall(want_hidden=want_topk)) as capture:
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
@@ -494,72 +478,67 @@ class DPPOTrainer(GRPOTrainer):
         slot_logps[valid] = torch.cat([logps[valid].float().unsqueeze(-1), rest_logps], dim=-1)
         return logps, (ids, slot_logps)
 
-    def _trust_region_weight(self, call, advantages, per_token_logps, sampling_per_token_logps, mask) -> torch.Tensor:
-        """The detached weight the parent multiplies `−r·A` by (`parent_weight` of `trust_region_coefficient`).
+    def _dppo_weight(self, call: _LossCall, advantages, per_token_logps, sampling_per_token_logps, mask):
+        """The detached weight the parent multiplies `−r·A` by: `opened_clip_weight` of the core's coefficient.
 
-        Called by the parent's mask hook, where π first appears; records the loss call's `TokenView`, coefficient
-        and divergence (and the μ-KL term, which keeps π's graph) in `call` for `_compute_loss`.
+        Called by the parent's mask hook, where π first appears; records the core's inputs and outputs in `call`.
         """
-        batch, args = call.inputs, self.args
+        batch = call.batch
+        assert batch is not None
         with torch.no_grad():
-            pi_logps = per_token_logps.detach().float()
             tokens = mask.bool()
             if BEHAVIOR_LOGPS not in batch:
                 # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
-                mu_logps, valid = pi_logps, torch.ones_like(tokens)
+                mu_logps, valid = per_token_logps.detach().float(), torch.ones_like(tokens)
             else:
                 mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
-            old = batch.get(RECOMPUTED_LOGPS)
-            topk = self._pi_topk(call, pi_logps, tokens & valid) if call.want_hidden else (None, None)
-            view = TokenView(
-                pi_logps=pi_logps,
-                mu_logps=mu_logps,
-                advantages=advantages,
-                tokens=tokens,
-                valid=valid,
-                old_logps=old.float() if old is not None else None,
-                pi_topk_logps=topk[0],
-                mu_topk_logps=topk[1],
-                entropies=call.entropies,
-            )
-            coef, divergence = trust_region_coefficient(args, view)
+            topk = self._pi_topk(call, per_token_logps.detach().float(), tokens & valid) if call.want_hidden else None
+        old = batch.get(RECOMPUTED_LOGPS)
+        inputs = LossInputs(
+            pi_logps=per_token_logps,
+            mu_logps=mu_logps,
+            advantages=advantages,
+            tokens=tokens,
+            valid=valid,
+            old_logps=old.float() if old is not None else None,
+            pi_topk_logps=topk[0] if topk else None,
+            mu_topk_logps=topk[1] if topk else None,
+            entropies=call.entropies,
+        )
+        outputs = policy_loss(self.trust_region_spec, inputs)
+        with torch.no_grad():
             parent_old = batch.get("old_per_token_logps")
-            weight = parent_weight(coef, pi_logps, pi_logps if parent_old is None else parent_old.float())
-            if args.off_policy_mask_threshold is not None:
+            weight = opened_clip_weight(
+                outputs.coef, per_token_logps, per_token_logps.detach() if parent_old is None else parent_old
+            )
+            if self.args.off_policy_mask_threshold is not None:
                 weight = weight * GRPOTrainer.get_off_policy_mask(
                     advantages=advantages,
                     per_token_logps=per_token_logps,
                     sampling_per_token_logps=sampling_per_token_logps,
                     mask=mask,
-                    off_policy_threshold=args.off_policy_mask_threshold,
+                    off_policy_threshold=self.args.off_policy_mask_threshold,
                 )
-        call.view, call.coef, call.divergence, call.mask = view, coef, divergence, mask
-        if args.mu_kl_coef > 0:
-            call.mu_kl = mu_kl_per_token(args, per_token_logps, mu_logps, view.counted)
+        call.inputs, call.outputs, call.mask = inputs, outputs, mask
         return weight.to(per_token_logps.dtype)
 
-    def _log_trust_region(self, call: _SeamCall, mode: str) -> None:
+    def _log_trust_region(self, call: _LossCall, mode: str) -> None:
         """Once per loss call: hand the per-token view to `trust_region_observers`, log the `dppo/*` metrics."""
+        assert call.inputs is not None and call.outputs is not None and call.batch is not None
         if self.trust_region_observers:
             record = {
-                "completion_ids": call.inputs["completion_ids"],
-                **observer_record(call.view, call.coef, call.divergence),
+                "completion_ids": call.batch["completion_ids"],
+                **observer_record(call.inputs, call.outputs.coef, call.outputs.divergence),
                 "mode": mode,
             }
             for observer in self.trust_region_observers:
                 observer(record)
-        stats = trust_region_stats(self.args, call.view, call.coef, call.divergence)
-        metrics = trust_region_metrics(
-            stats,
-            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"),
-            reduce_max=lambda t: self.accelerator.gather(t).view(-1, t.numel()).max(dim=0).values,
-        )
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(value)
+        log_trust_region_metrics(self, call.outputs.stats, mode)
 
-    def _pi_topk(self, call: _SeamCall, pi_logps: torch.Tensor, valid: torch.Tensor):
+    def _pi_topk(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
         """π's log-probs at μ's TopK ∪ {y} ids, from the hidden states the call captured (no `[B, T, V]` logits)."""
-        capture, batch = call, call.inputs
+        capture, batch = call, call.batch
+        assert batch is not None
         ids, mu_topk = batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS].float()
         if capture.hidden is None:
             raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")

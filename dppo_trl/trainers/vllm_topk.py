@@ -7,7 +7,7 @@ loss, and hands the trainer back the `logprobs=0` contract: one entry per token,
 
 Slot layout of the `(B, T, K + 1)` tensors built here: slot 0 is the sampled token y_t; slots 1..K are TopK(μ) without
 y_t, in rank order; unused slots hold id `-1` and log-prob `-inf`. So the slots list the distinct tokens of
-TopK(μ) ∪ {y_t}, as `dppo_trl.core.divergence.topk_tv/topk_kl` expect.
+TopK(μ) ∪ {y_t}, as `dppo_trl.core.functional.topk_tv/topk_kl` expect.
 """
 
 from __future__ import annotations
@@ -20,20 +20,6 @@ import numpy as np
 import torch
 
 PAD_ID = -1
-# A log-prob this far above 0 is rounding of log 1 (engines and bf16 report such values); anything larger is not one.
-LOGP_ROUNDING = 1e-6
-
-
-def sanitize_behavior_logps(mu_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(μ, valid)` as the loss may use them: valid where μ is a log-probability (finite, ≤ `LOGP_ROUNDING`).
-
-    Invalid entries (NaN, ±inf, clearly positive: values no engine can mean as a probability) become 0 and are
-    reported in `valid` so the trainer masks and counts them; rounding above 0 is read as log 1. float32 out.
-    Idempotent, so every consumer can apply it to whatever batch it is given.
-    """
-    mu_logps = mu_logps.float()
-    valid = torch.isfinite(mu_logps) & (mu_logps <= LOGP_ROUNDING)
-    return torch.where(valid, mu_logps.clamp(max=0.0), torch.zeros_like(mu_logps)), valid
 
 
 def topk_entries_to_tensors(

@@ -1,14 +1,15 @@
-"""DPPO's objective as pure tensor functions (Qi et al., *Rethinking the Trust Region in LLM Reinforcement
-Learning*, arXiv 2602.04879, eqs. 11-16). Everything DPPO changes with respect to GRPO is in this file:
+"""DPPO's math as pure tensor functions (Qi et al., *Rethinking the Trust Region in LLM Reinforcement Learning*,
+arXiv 2602.04879, eqs. 11-16), top to bottom in the paper's terms. Everything DPPO changes with respect to GRPO:
 
+- eqs. 13-16, the divergence D: `binary_tv`, `binary_kl`, `topk_tv`, `topk_kl` (dispatch: `compute_divergence`);
+- eq. 12, the trust-region mask M_t: `trust_region_mask`;
 - eq. 11, the objective: `dppo_coefficient` — per completion token, `loss_t = −A_t · sg(w_t) · log π(y_t)` with
   `w_t = min(π/μ, C) · M_t`;
-- eq. 12, the trust-region mask M_t: `trust_region_mask`;
-- eqs. 13-16, the divergence D: `binary_tv`, `binary_kl`, `topk_tv`, `topk_kl` (dispatch: `compute_divergence`);
-- the optional μ-KL penalty `τ · (log π − log μ)²` that prime-rl pairs with DPPO: `mu_kl_penalty`.
+- the optional μ-KL penalty `τ · (log π − log μ)²` that prime-rl pairs with DPPO: `mu_kl_penalty`;
+- what μ may be: `sanitize_behavior_logps`.
 
-How a loss call assembles these (D computed once, shared by the coefficient, the metrics and the observers) is
-`dppo_trl.core.objective`.
+`dppo_trl.core.loss.policy_loss` assembles them into one loss call (D computed once, shared by the coefficient, the
+metrics and the observers).
 
 Vocabulary (docs/theory.md): π the trainer policy, μ the behavior policy (the rollout engine's log-probs when it
 sampled), A the advantage, δ the thresholds, C the ratio cap. Every input is a log-probability (`*_logps`):
@@ -39,6 +40,11 @@ from torch import Tensor
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
 # The authors' thresholds (verl example of the paper): δ = 0.15 for TV and 0.05 for KL, on both sides.
 DEFAULT_DELTAS = {"tv": 0.15, "kl": 0.05}
+# C of eq. 11. The authors ran with the cap effectively off (1e4); 20 follows TRL's removed DPPOTrainer and bounds the
+# weight of tokens the engine sampled far less likely than the trainer now finds them.
+DEFAULT_RATIO_CAP = 20.0
+# A log-prob this far above 0 is rounding of log 1 (engines and bf16 report such values); anything larger is not one.
+LOGP_ROUNDING = 1e-6
 
 # Where the exact KL is infinite (π exactly 0 or 1, μ not), π is moved this far from the boundary instead.
 _KL_EPS = 1e-7
@@ -51,16 +57,23 @@ def default_delta(divergence: str) -> float:
     return DEFAULT_DELTAS[divergence.rsplit("_", 1)[1]]
 
 
-def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    # float64 is kept (exact references), anything else is upcast to float32.
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64 (exact references), else float32."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
 
 
-def _as_logp(x: Tensor, dtype: torch.dtype) -> Tensor:
-    # clamp(max=0) keeps NaN as NaN and -inf as -inf.
+def as_logp(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x` in `dtype`, clamped to `<= 0` (NaN stays NaN, -inf stays -inf)."""
     return x.to(dtype).clamp(max=0.0)
+
+
+def log_ratio(num_logps: Tensor, den_logps: Tensor, dtype: torch.dtype) -> Tensor:
+    """log(num/den) of two probabilities given as log-probs, in `dtype`; 0/0 (and 0/anything) is ratio 0, never NaN."""
+    num = as_logp(num_logps, dtype)
+    den = as_logp(den_logps, dtype)
+    return torch.where(num == -math.inf, num, num - den)
 
 
 def _log1mexp(logp: Tensor) -> Tensor:
@@ -69,7 +82,7 @@ def _log1mexp(logp: Tensor) -> Tensor:
     return torch.where(logp < -math.log(2.0), torch.log1p(-torch.exp(logp)), torch.log(-torch.expm1(logp)))
 
 
-def _exp_clamped(log_x: Tensor) -> Tensor:
+def exp_clamped(log_x: Tensor) -> Tensor:
     """exp(log_x) clamped to the dtype's largest finite value (never inf)."""
     fmax = torch.finfo(log_x.dtype).max
     return torch.exp(log_x.clamp(max=math.log(fmax))).clamp(max=fmax)
@@ -89,9 +102,9 @@ def binary_tv(pi_logps: Tensor, mu_logps: Tensor) -> Tensor:
     TV between the Bernoulli distributions ({y_t}, rest) equals the absolute probability difference of the sampled
     token.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    pi = torch.exp(_as_logp(pi_logps, dtype))
-    mu = torch.exp(_as_logp(mu_logps, dtype))
+    dtype = compute_dtype(pi_logps, mu_logps)
+    pi = torch.exp(as_logp(pi_logps, dtype))
+    mu = torch.exp(as_logp(mu_logps, dtype))
     return (pi - mu).abs()
 
 
@@ -103,9 +116,9 @@ def binary_kl(pi_logps: Tensor, mu_logps: Tensor) -> Tensor:
     that boundary (or to μ itself when μ is even closer), so D stays finite and large (≈ 16 at most for the 1-π
     side) and the token is masked by any sensible δ. Every other π is used as it is.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    pi_lp = _as_logp(pi_logps, dtype)
-    mu_lp = _as_logp(mu_logps, dtype)
+    dtype = compute_dtype(pi_logps, mu_logps)
+    pi_lp = as_logp(pi_logps, dtype)
+    mu_lp = as_logp(mu_logps, dtype)
     # Only the infinite cases move: π = 0 to min(eps, μ), π = 1 to max(1 - eps, μ) (π = μ stays exact).
     pi_lp = torch.where(pi_lp == -math.inf, torch.clamp(mu_lp, max=math.log(_KL_EPS)), pi_lp)
     pi_lp = torch.where(pi_lp == 0, torch.clamp(mu_lp, min=math.log1p(-_KL_EPS)), pi_lp)
@@ -122,9 +135,9 @@ def _topk_probs(pi_topk_logps: Tensor, mu_topk_logps: Tensor) -> tuple[Tensor, T
             f"Top-K tensors must list the same tokens: got shapes {tuple(pi_topk_logps.shape)} and "
             f"{tuple(mu_topk_logps.shape)}."
         )
-    dtype = _compute_dtype(pi_topk_logps, mu_topk_logps)
-    pi_lp = _as_logp(pi_topk_logps, dtype)
-    mu_lp = _as_logp(mu_topk_logps, dtype)
+    dtype = compute_dtype(pi_topk_logps, mu_topk_logps)
+    pi_lp = as_logp(pi_topk_logps, dtype)
+    mu_lp = as_logp(mu_topk_logps, dtype)
     invalid = pi_lp.isnan() | mu_lp.isnan()
     neg_inf = torch.full((), -math.inf, dtype=dtype, device=pi_lp.device)
     pi_lp = torch.where(invalid, neg_inf, pi_lp)
@@ -202,7 +215,7 @@ def trust_region_mask(
     kept. NaN in any input yields 1 (comparisons with NaN are false); invalid μ is the caller's business. The
     comparisons run in the compute dtype (float32 unless an input is float64), so δ is rounded to it.
     """
-    dtype = _compute_dtype(pi_logps, mu_logps, div)
+    dtype = compute_dtype(pi_logps, mu_logps, div)
     pi_lp = pi_logps.to(dtype)
     mu_lp = mu_logps.to(dtype)
     adv = advantages.to(dtype)
@@ -217,7 +230,7 @@ def trust_region_mask(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def ratio_coefficient(pi_logps: Tensor, mu_logps: Tensor, ratio_cap: float) -> Tensor:
+def ratio_coefficient(pi_logps: Tensor, mu_logps: Tensor, ratio_cap: float = DEFAULT_RATIO_CAP) -> Tensor:
     """The truncated importance ratio min(π/μ, C) of eq. 11, computed as exp(min(log π - log μ, log C)).
 
     Never overflows. `ratio_cap = inf` means no cap; the ratio is then clamped at the dtype's largest finite value.
@@ -225,14 +238,10 @@ def ratio_coefficient(pi_logps: Tensor, mu_logps: Tensor, ratio_cap: float) -> T
     """
     if not ratio_cap > 0:
         raise ValueError(f"`ratio_cap` must be > 0, got {ratio_cap}.")
-    dtype = _compute_dtype(pi_logps, mu_logps)
-    pi_lp = _as_logp(pi_logps, dtype)
-    mu_lp = _as_logp(mu_logps, dtype)
-    # -inf - -inf is NaN; a zero-probability token under π has ratio 0 whatever μ says.
-    log_ratio = torch.where(pi_lp == -math.inf, pi_lp, pi_lp - mu_lp)
+    log_r = log_ratio(pi_logps, mu_logps, compute_dtype(pi_logps, mu_logps))
     if math.isfinite(ratio_cap):
-        log_ratio = log_ratio.clamp(max=math.log(ratio_cap))
-    return _exp_clamped(log_ratio)
+        log_r = log_r.clamp(max=math.log(ratio_cap))
+    return exp_clamped(log_r)
 
 
 @torch.no_grad()
@@ -243,10 +252,11 @@ def dppo_coefficient(
     divergence: str = "binary_tv",
     delta_low: float | None = None,
     delta_high: float | None = None,
-    ratio_cap: float = math.inf,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
     pi_topk_logps: Tensor | None = None,
     mu_topk_logps: Tensor | None = None,
     div: Tensor | None = None,
+    mask_logps: Tensor | None = None,
 ) -> Tensor:
     """Eq. 11. DPPO's per-token loss is
 
@@ -257,17 +267,20 @@ def dppo_coefficient(
         w_t = min(π/μ, C) · M_t,    M_t from eq. 12 on D(π, μ) of eqs. 13-16.
 
     μ is the behavior policy itself (the engine that sampled) in both the ratio and the mask, never a recomputed
-    π_old. δ defaults to the authors' values (0.15 TV, 0.05 KL); C defaults to no cap (the authors ran with 1e4).
+    π_old. δ defaults to the authors' values (0.15 TV, 0.05 KL); C to `DEFAULT_RATIO_CAP` (the config's default).
     Every baseline trust region in `dppo_trl.core.baselines` returns a coefficient of the same form.
 
-    `div`, when given, is D(π, μ) of `divergence` already computed by the caller (`dppo_trl.core.objective` computes it
-    once per loss call for the mask, the metrics and the observers); the top-K tensors are then not needed.
+    `div`, when given, is D of `divergence` already computed by the caller (`dppo_trl.core.loss.policy_loss`
+    computes it once per loss call for the mask, the metrics and the observers); the top-K tensors are then not
+    needed. `mask_logps` moves the mask's anchor from μ to another policy (the `dppo_decoupled` ablation takes it
+    against π_old); the ratio stays π/μ.
     """
     delta_low = default_delta(divergence) if delta_low is None else delta_low
     delta_high = default_delta(divergence) if delta_high is None else delta_high
+    anchor = mu_logps if mask_logps is None else mask_logps
     if div is None:
-        div = compute_divergence(divergence, pi_logps, mu_logps, pi_topk_logps, mu_topk_logps)
-    keep = trust_region_mask(pi_logps, mu_logps, advantages, div, delta_low, delta_high)
+        div = compute_divergence(divergence, pi_logps, anchor, pi_topk_logps, mu_topk_logps)
+    keep = trust_region_mask(pi_logps, anchor, advantages, div, delta_low, delta_high)
     return ratio_coefficient(pi_logps, mu_logps, ratio_cap) * keep.to(div.dtype)
 
 
@@ -285,6 +298,23 @@ def mu_kl_penalty(pi_logps: Tensor, mu_logps: Tensor, coef: float) -> Tensor:
     μ is detached. Computed in float32 (float64 for float64 inputs); NaN μ gives NaN (callers select valid tokens
     with `torch.where`, never by multiplying).
     """
-    dtype = _compute_dtype(pi_logps, mu_logps)
+    dtype = compute_dtype(pi_logps, mu_logps)
     log_ratio = pi_logps.to(dtype) - mu_logps.detach().to(dtype)
     return coef * log_ratio.square()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# μ as the engine reports it
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sanitize_behavior_logps(mu_logps: Tensor) -> tuple[Tensor, Tensor]:
+    """`(μ, valid)` as the loss may use them: valid where μ is a log-probability (finite, ≤ `LOGP_ROUNDING`).
+
+    Invalid entries (NaN, ±inf, clearly positive: values no engine can mean as a probability) become 0 and are
+    reported in `valid` so the loss gives them weight 0 and counts them; rounding above 0 is read as log 1. float32
+    out. Idempotent, so every consumer can apply it to whatever batch it is given.
+    """
+    mu_logps = mu_logps.float()
+    valid = torch.isfinite(mu_logps) & (mu_logps <= LOGP_ROUNDING)
+    return torch.where(valid, mu_logps.clamp(max=0.0), torch.zeros_like(mu_logps)), valid
