@@ -47,9 +47,12 @@ def _spy_loss_batches(trainer) -> list:
 
 
 def _spy_policy_passes(trainer) -> list:
-    """Count the trainer's log-prob passes made while generating (a recompute of π_old would be one)."""
+    """Count the log-prob forwards made while generating (a recompute of π_old would be one): calls that reach
+    GRPOTrainer's own pass (one DPPOTrainer declines never runs the model)."""
+    from trl import GRPOTrainer
+
     original = trainer._generate_and_score_completions
-    inner = trainer._get_per_token_logps_and_entropies
+    inner = GRPOTrainer._get_per_token_logps_and_entropies
     passes = []
 
     def counting(*args, **kwargs):
@@ -57,11 +60,9 @@ def _spy_policy_passes(trainer) -> list:
         return inner(*args, **kwargs)
 
     def generate_and_score(inputs):
-        trainer._get_per_token_logps_and_entropies = counting
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
             return original(inputs)
-        finally:
-            del trainer._get_per_token_logps_and_entropies
 
     trainer._generate_and_score_completions = generate_and_score
     return passes

@@ -98,10 +98,9 @@ def test_generation_batch_keys_are_produced():
 
 
 def test_config_fields_exist():
+    # GRPOConfig's fields are public API (read by every config test); what is pinned here is that DPPOConfig's own
+    # fields never shadow GRPOConfig's (e.g. GRPO's `delta`).
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    missing = set(trl_contract.CONFIG_FIELDS) - fields
-    assert not missing, f"GRPOConfig lost fields {missing}"
-    # DPPOConfig's own fields must not shadow GRPOConfig's (e.g. GRPO's `delta`).
     own = {f.name for f in dataclasses.fields(DPPOConfig)} - fields
     assert own == {
         "divergence",
@@ -120,7 +119,7 @@ def test_config_fields_exist():
 def test_trainer_attributes_are_set_by_grpo_init():
     source = inspect.getsource(GRPOTrainer.__init__)
     for attr in trl_contract.TRAINER_ATTRIBUTES + trl_contract.VLLM_TRAINER_ATTRIBUTES:
-        if attr in ("accelerator", "model", "_metrics", "current_gradient_accumulation_steps"):
+        if attr in ("_metrics", "current_gradient_accumulation_steps"):
             continue  # set by transformers.Trainer / checked at run time by the trainer tests
         assert f"self.{attr} =" in source, f"GRPOTrainer.__init__ no longer sets self.{attr}"
 
