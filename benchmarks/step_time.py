@@ -208,15 +208,17 @@ def run_worker(args: argparse.Namespace) -> None:
 
     # No-grad forwards of the policy while a generation batch is scored (TRL's π_old recompute, or any other pass a
     # trainer adds there), one count per generation batch. The instance attribute shadows the class method, and
-    # TRL calls it through `self`, so the parent's call sites see this wrapper too.
+    # TRL calls it through `self`, so the parent's call sites see this wrapper too. A pass DPPOTrainer declines
+    # returns no log-probs and ran no forward: it is not counted.
     forwards: list[int] = []
     scoring = [False]
     get_logps = trainer._get_per_token_logps_and_entropies
 
     def counted_get_logps(model, *a, **kw):
-        if scoring[0] and not torch.is_grad_enabled() and model is trainer.model:
+        result = get_logps(model, *a, **kw)
+        if scoring[0] and not torch.is_grad_enabled() and model is trainer.model and result[0] is not None:
             forwards[-1] += 1
-        return get_logps(model, *a, **kw)
+        return result
 
     def generate_and_score_counted(*a, **kw):
         forwards.append(0)
