@@ -111,11 +111,17 @@ def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
         mu = inputs.mu_logps.detach().float()
         adv = inputs.token_advantages()
         name = spec.effective_divergence(inputs.has_topk)
-        topk = (inputs.pi_topk_logps.float(), inputs.mu_topk_logps.float()) if name.startswith("topk_") else ()
-        divergence = compute_divergence(name, pi, mu, *topk).float()
-        needs_old = spec.region.needs_old_logps and inputs.old_logps is not None
+        pi_topk, mu_topk = (inputs.pi_topk_logps, inputs.mu_topk_logps) if name.startswith("topk_") else (None, None)
+        divergence = compute_divergence(
+            name,
+            pi,
+            mu,
+            pi_topk.float() if pi_topk is not None else None,
+            mu_topk.float() if mu_topk is not None else None,
+        ).float()
+        old = inputs.old_logps if spec.region.needs_old_logps else None
         coefficient_inputs = CoefficientInputs(
-            pi, mu, adv, divergence, name, old_logps=inputs.old_logps.detach().float() if needs_old else None
+            pi, mu, adv, divergence, name, old_logps=old.detach().float() if old is not None else None
         )
         coef = spec.region.coefficient(coefficient_inputs, spec).float()
         coef = torch.where(counted, coef.clamp(max=max(COEF_MAX, spec.ratio_cap)), torch.zeros_like(coef))

@@ -121,6 +121,7 @@ class DPPOTrainer(GRPOTrainer):
     module docstring for how the loss composes with GRPOTrainer and `docs/theory.md` for the method.
     """
 
+    args: DPPOConfig
     _tag_names = ["trl", "dppo", "grpo"]
     _name = "DPPO"
     _paper = {
@@ -244,7 +245,9 @@ class DPPOTrainer(GRPOTrainer):
     def _parent_recomputes_old_logps(self) -> bool:
         """GRPOTrainer 1.16's own condition for its no-grad π_old pass in `_generate_and_score_completions`
         (misaligned generation and optimisation, or vLLM IS correction; pinned in tests/trl_contract.py)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        steps_per_generation = self.args.steps_per_generation
+        assert steps_per_generation is not None  # GRPOConfig.__post_init__ resolves None
+        generate_every = steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0 or (
             self.use_vllm and self.vllm_importance_sampling_correction
         )
@@ -459,6 +462,8 @@ class DPPOTrainer(GRPOTrainer):
             )
         if not want_topk:
             return logps, None
+        if capture.hidden is None:
+            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
         k = self.args.divergence_top_k
         valid = mask.bool()
         weight, bias = self._lm_head_params()
