@@ -372,6 +372,25 @@ def test_trainers_patch_no_module_symbols():
                     )
 
 
+def test_policy_version_is_read_once_per_step_on_every_rank(tmp_path):
+    """Two real processes (torchrun, gloo): every rank gets the main process's `model_version`, read once per
+    optimizer step (a change within the step is not seen; the next step's read sees it)."""
+    import json
+
+    port = str(get_free_port())
+    script = os.path.join(ROOT, "tests", "scripts", "async_policy_version.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, script]
+    command += ["--model", TINY_MODEL, "--out", str(tmp_path), "--watchdog", "540"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert [r["versions"] for r in results] == [[5, 5, 6], [5, 5, 6]]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # End to end against a real server
 # ---------------------------------------------------------------------------------------------------------------------

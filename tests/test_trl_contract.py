@@ -347,6 +347,21 @@ def test_async_clip_metrics_dropped_are_the_ones_trl_logs():
     assert set(re.findall(r'\["(clip_ratio/[a-z_]+)"\]', source)) == set(PARENT_CLIP_METRICS)
 
 
+def test_async_model_version_changes_only_between_optimizer_steps():
+    parent = _async_module().AsyncGRPOTrainer
+    writers = {
+        name
+        for name, member in inspect.getmembers(parent, inspect.isfunction)
+        if re.search(r"self\.model_version (\+)?= ", inspect.getsource(member))
+    }
+    assert writers == set(trl_contract.ASYNC_MODEL_VERSION_WRITERS)
+    # The syncs run from callbacks: at train begin, and at the end of an optimizer step.
+    module = _async_module()
+    assert "self._trainer._sync_weight()" in inspect.getsource(module._TrainBeginCallback.on_train_begin)
+    assert "StepIntervalCallback(self._sync_weight, self.args.weight_sync_steps)" in inspect.getsource(module)
+    assert "def on_step_end(" in inspect.getsource(module.StepIntervalCallback)
+
+
 def test_async_packing_sample_worker_and_cpu_contract():
     from trl.experimental.async_grpo import packing
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample

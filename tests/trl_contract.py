@@ -270,6 +270,10 @@ ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics")
 # Trainer attributes read in the loss: the policy version and the metric sink. → `model_version` in the batch would
 # leave `_metrics` only (TRL's logging; DPPO's metrics would come back from `_per_token_policy_loss`).
 ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics")
+# The only AsyncGRPOTrainer methods that write `self.model_version`: none runs inside an optimizer step (the syncs run
+# from callbacks at train begin and step end, the resume before training), so `_policy_version()` reads it once per
+# step. → a version in the batch (the trainer would not read it at all).
+ASYNC_MODEL_VERSION_WRITERS = ("__init__", "_sync_weight_merged", "_sync_weight_lora", "_inner_training_loop")
 # CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
 # kwargs (dppo_trl.backends.cpu.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
 ASYNC_PEAK_FLOPS_SYMBOL = "get_peak_flops_per_device"

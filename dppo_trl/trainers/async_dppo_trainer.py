@@ -38,8 +38,8 @@ change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
    keeps the outputs of TRL's one `model(...)` call); DPPO's term is added on those log-probs with TRL's
    normalisation (tokens per rank, then gradient accumulation), which `tests/test_async_dppo.py` pins against TRL's
    real loss. TRL's PPO-clip rates, always 0 with zero advantages, are dropped from the logs.
-4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only;
-   `_policy_version()` broadcasts it on several processes.
+4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only, between
+   optimizer steps; `_policy_version()` reads it once per optimizer step (a broadcast on several processes).
 
 On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
 attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
@@ -239,6 +239,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.trust_region_spec = self.args.trust_region_spec()
+        # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
+        self._policy_version_read: tuple[Any, int, int] | None = None
 
     def get_train_dataloader(self) -> DataLoader:
         """`AsyncGRPOTrainer.get_train_dataloader` of TRL 1.16 with two arguments changed: the queue dataset reads the
@@ -324,7 +326,13 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         return per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
 
     def _policy_version(self) -> int:
-        # Only the main process bumps `model_version` (it drives the server); every rank needs the same value.
+        """The version of the weights being trained: TRL's `model_version`, which only the main process bumps (after
+        each weight sync, between optimizer steps). On several processes it is broadcast from the main process once
+        per optimizer step, at the step's first loss call, which every process reaches together."""
         if self.accelerator.num_processes == 1:
             return int(self.model_version)
-        return int(broadcast_object_list([self.model_version], from_process=0)[0])
+        read = self._policy_version_read
+        if read is None or read[0] is not self.state or read[1] != self.state.global_step:
+            version = int(broadcast_object_list([self.model_version], from_process=0)[0])
+            read = self._policy_version_read = (self.state, self.state.global_step, version)
+        return read[2]
