@@ -238,7 +238,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self.trust_region_spec = self.args.trust_region_spec()
+        self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
 
