@@ -163,7 +163,7 @@ def _dataset() -> Dataset:
 def _batch(trainer, versions: list[int]):
     from trl.experimental.async_grpo.packing import TreeRow
 
-    from dppo_trl.trainers.async_dppo_trainer import _VERSION_KEY, _VersionedCollator
+    from dppo_trl.trainers.async_dppo_trainer import SampleMetrics, SampleVersionCollator
 
     torch.manual_seed(0)
     row = TreeRow()
@@ -176,10 +176,10 @@ def _batch(trainer, versions: list[int]):
                 "old_log_probs": torch.tensor([0.0, 0.0, 0.0, -4.0, -5.5, -3.0]) + 0.3 * i,
                 "advantage": [1.0, -1.0, 0.5][i % 3],
                 "group_id": i,
-                "metrics": {_VERSION_KEY: version},
+                "metrics": SampleMetrics({}, model_version=version),
             }
         )
-    return _VersionedCollator(trainer.processing_class.pad_token_id)([[row]])
+    return SampleVersionCollator(trainer.processing_class.pad_token_id)([[row]])
 
 
 def _grad(trainer, compute, batch) -> torch.Tensor:
@@ -236,6 +236,162 @@ def test_loss_seam_gradient_matches_parent(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The sampling version: queue → TRL's dataset and planner → collator → loss, with TRL's own classes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _QueueWorker:
+    """An in-process rollout worker (TRL's `RolloutWorkerProtocol`, the documented way to inject one): the test puts
+    `RolloutSample`s on its `rollout_buffer`. Reading `check_health` (TRL's dataloader construction does) records which
+    classes TRL's module names point to at that moment."""
+
+    def __init__(self):
+        import queue
+
+        self.rollout_buffer = queue.Queue()
+        self.metrics_queue = queue.Queue()
+        self.symbols_seen: list[tuple[type, type]] = []
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, model_version):
+        pass
+
+    @property
+    def check_health(self):
+        from trl.experimental.async_grpo import async_grpo_trainer
+
+        self.symbols_seen.append((async_grpo_trainer.RolloutQueueDataset, async_grpo_trainer.DataCollatorForRollout))
+        return lambda stale_after_s: None
+
+
+def _rollout_sample(version: int, index: int, advantage: float):
+    import numpy as np
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    ids = np.array([5, 6, 7, 8 + index, 9 + index, 10 + index])
+    return RolloutSample(
+        prompt=[],
+        completion=[],
+        input_ids=ids,
+        completion_mask=np.array([0, 0, 0, 1, 1, 1]),
+        old_log_probs=np.array([0.0, 0.0, 0.0, -4.0, -5.5, -3.0]) + 0.1 * index,
+        advantage=advantage,
+        model_version=version,
+        group_id=index,
+        metrics={"reward": float(index)},
+    )
+
+
+def test_sample_version_reaches_the_loss_through_trls_classes(tmp_path):
+    """No TRL module name is swapped while the dataloader is built; the dataset, planner and collator are TRL's
+    classes (the collator a subclass built explicitly); each sample's version reaches the batch and the loss's
+    staleness, and not TRL's aggregated metrics."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        DataCollatorForRollout,
+        FixedCountBatcher,
+        RolloutQueueDataset,
+    )
+
+    from dppo_trl.trainers.async_dppo_trainer import SAMPLE_VERSION, SampleVersionCollator, SampleVersionQueue
+
+    recorder = _Recorder()
+    worker = _QueueWorker()
+    trainer = _recording_trainer(recorder)(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(tmp_path, vllm_server_base_url="http://127.0.0.1:1", max_staleness=3),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        rollout_worker=worker,
+    )
+    trainer.model_version = 3
+    trainer.current_gradient_accumulation_steps = 1
+    # Two micro-batches of 4 (accelerate fetches one ahead). The advantage encodes the version (A = version + 0.5):
+    # it travels TRL's own path into the batch, the version travels DPPO's.
+    versions = [3, 2, 0, 1, 3, 3, 2, 3]
+    for i, version in enumerate(versions):
+        worker.rollout_buffer.put(_rollout_sample(version, i, advantage=version + 0.5))
+
+    loader = trainer.get_train_dataloader()
+    assert worker.symbols_seen == [(RolloutQueueDataset, DataCollatorForRollout)]
+    assert async_grpo_trainer.RolloutQueueDataset is RolloutQueueDataset
+    assert async_grpo_trainer.DataCollatorForRollout is DataCollatorForRollout
+    assert type(loader.dataset) is FixedCountBatcher
+    assert type(loader.dataset.dataset) is RolloutQueueDataset
+    assert type(loader.dataset.dataset.queue) is SampleVersionQueue
+    assert loader.dataset.dataset.queue.queue is trainer.rollout_queue
+    assert type(loader.collate_fn) is SampleVersionCollator
+
+    batch = next(iter(loader))
+    assert sorted(batch[SAMPLE_VERSION].flatten().tolist()) == sorted(versions[:4])
+    metrics = trainer._metrics["train"]
+    assert "reward" in metrics  # TRL aggregated the samples' own metrics ...
+    assert not any("version" in key for key in metrics)  # ... and nothing of the version
+
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    (call,) = recorder.calls
+    _, _, staleness = call
+    selected = batch["token_index"] >= 0
+    version_of_token = batch["advantages"][selected] - 0.5
+    assert torch.equal(staleness, (3 - version_of_token).long())
+    assert set(staleness.tolist()) == {0, 1, 2, 3}
+    assert {f"dppo/staleness_{s}/mask_ratio" for s in range(4)} <= set(metrics)
+
+
+def test_trainers_patch_no_module_symbols():
+    """The trainer adapters use no `unittest.mock` and assign no attribute of an imported module (the CPU peak-FLOPs
+    lookup, `dppo_trl.backends.cpu.async_cpu.cpu_peak_flops`, is outside this check: see docs/upstream.md)."""
+    import ast
+
+    trainers = os.path.join(ROOT, "dppo_trl", "trainers")
+    for name in sorted(os.listdir(trainers)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(trainers, name)).read())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+                assert all("mock" not in alias.name for alias in node.names), name
+            if isinstance(node, ast.ImportFrom):
+                assert "mock" not in (node.module or "") and all(a.name != "mock" for a in node.names), name
+                modules |= {alias.asname or alias.name for alias in node.names if alias.name.islower()}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    assert target.value.id not in modules - {"self"}, (
+                        f"{name}: assigns {target.value.id}.{target.attr}"
+                    )
+
+
+def test_policy_version_is_read_once_per_step_on_every_rank(tmp_path):
+    """Two real processes (torchrun, gloo): every rank gets the main process's `model_version`, read once per
+    optimizer step (a change within the step is not seen; the next step's read sees it)."""
+    import json
+
+    port = str(get_free_port())
+    script = os.path.join(ROOT, "tests", "scripts", "async_policy_version.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, script]
+    command += ["--model", TINY_MODEL, "--out", str(tmp_path), "--watchdog", "540"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert [r["versions"] for r in results] == [[5, 5, 6], [5, 5, 6]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # End to end against a real server
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -273,22 +429,28 @@ def server_url(tmp_path_factory):
 
 
 class _Recorder:
-    """Records each loss call's (π, μ, staleness) through the trainer's own `_dppo_loss` inputs."""
+    """Records each loss call's (π, μ, staleness): the `LossInputs` the trainer hands its `_trust_region_loss`."""
 
     def __init__(self):
         self.calls = []
 
 
-def _train(tmp_path, server_url, peft_config=None, **overrides):
+def _recording_trainer(recorder: _Recorder):
     from dppo_trl import AsyncDPPOTrainer
 
-    recorder = _Recorder()
-
     class RecordingTrainer(AsyncDPPOTrainer):
-        def _log_dppo_metrics(self, view, coef, divergence):
-            recorder.calls.append((view.pi_logps.clone(), view.mu_logps.clone(), view.staleness.clone()))
-            super()._log_dppo_metrics(view, coef, divergence)
+        def _trust_region_loss(self, loss_inputs, inputs):
+            recorder.calls.append(
+                (loss_inputs.pi_logps.detach().clone(), loss_inputs.mu_logps.clone(), loss_inputs.staleness.clone())
+            )
+            return super()._trust_region_loss(loss_inputs, inputs)
 
+    return RecordingTrainer
+
+
+def _train(tmp_path, server_url, peft_config=None, **overrides):
+    recorder = _Recorder()
+    RecordingTrainer = _recording_trainer(recorder)
     args = _config(tmp_path, vllm_server_base_url=server_url, **overrides)
     trainer = RecordingTrainer(
         model=TINY_MODEL,

@@ -189,7 +189,13 @@ LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_co
 # dppo_trl/backends/cpu/async_cpu.py.
 # ---------------------------------------------------------------------------------------------------------------------
 ASYNC_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
-# AsyncGRPOTrainer methods AsyncDPPOTrainer overrides (thin wrappers calling super()), with their parameters.
+# Each entry: what AsyncDPPOTrainer relies on, why, and (→) the TRL change that removes it (docs/upstream.md).
+# Behaviour, not source, pins the rest: tests/test_async_dppo.py checks the gradient against TRL's real loss (the
+# selection of loss terms, A = 0 silencing the surrogate, the normalisation) and runs TRL's real queue dataset, planner
+# and collator (`metrics` passed through untouched, a row's samples in `segment_id` order).
+#
+# Overridden with `super()` (compute_loss, __init__) or restated (get_train_dataloader), with their parameters.
+# → `get_train_dataloader` goes with a `_build_collator()` hook; `compute_loss` with `_per_token_policy_loss(...)`.
 ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "__init__": (
         "self",
@@ -209,46 +215,35 @@ ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "get_train_dataloader": ("self",),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
 }
-# `compute_loss` calls the model once (AsyncDPPOTrainer passes a capturing callable) with the fused head, reads these
-# batch keys, scales by tokens per rank and gradient accumulation (the DPPO term copies this normalisation), and logs
-# its PPO-clip metrics under these names (dropped: with zeroed advantages they are always 0).
+# `AsyncDPPOTrainer.get_train_dataloader` is TRL's method (same tokens, comments aside) with exactly these
+# replacements (ours, TRL's): the collator is built inline, so restating the method is the narrowest seam; a TRL change
+# to the method fails the test until it is restated. → keep `model_version` in the batch, or a `_build_collator()`.
+ASYNC_DATALOADER_REPLACEMENTS = (
+    ("rollout_queue=SampleVersionQueue(self.rollout_queue),", "rollout_queue=self.rollout_queue,"),
+    ("collate_fn=SampleVersionCollator(", "collate_fn=DataCollatorForRollout("),
+)
+# `compute_loss` calls the model once (`KeepForwardOutputs` keeps that call's outputs), reads π at the same
+# positions as DPPO's term, is linear in the advantages (A = 0 silences its surrogate) and scales its policy term by
+# tokens per process, then gradient accumulation (DPPO's term is scaled the same; the single-process test cannot see
+# `world_size`). → `_per_token_policy_loss(log_probs, old_log_probs, advantages, inputs)`.
 ASYNC_COMPUTE_LOSS_FRAGMENTS = (
     "outputs = model(",
-    "fused_lm_head=True",
     "log_probs = outputs.log_probs.flatten()[token_index]",
-    "entropy = outputs.entropy.flatten()[token_index]",
-    'selected = inputs["token_index"] >= 0',
-    'old_log_probs = inputs["old_log_probs"][selected]',
-    'advantages = inputs["advantages"][selected]',
-    'segment_id = inputs["segment_id"][selected]',
-    "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)",
+    "per_token_loss1 = coef_1 * advantages",
+    "per_token_loss2 = coef_2 * advantages",
     "tokens_per_rank = (global_n_tokens / world_size).clamp(min=1.0)",
     "loss = loss / self.current_gradient_accumulation_steps",
-    'self._metrics["train"]["clip_ratio/low_mean"]',
 )
-# `get_train_dataloader` builds its queue dataset and collator through these module-level names (patched to
-# subclasses for the call), passing the rollout queue by keyword; the queue dataset yields each sample's `metrics`
-# dict (the carrier of the sampling version) and reads samples with `get(timeout=...)`.
-ASYNC_DATALOADER_FRAGMENTS = (
-    "dataset = RolloutQueueDataset(",
-    "rollout_queue=self.rollout_queue,",
-    "collate_fn=DataCollatorForRollout(",
-)
-ASYNC_QUEUE_DATASET_FRAGMENTS = (
-    "sample = self.queue.get(timeout=self.poll_interval_s)",
-    '"metrics": sample.metrics,',
-)
-# The collator receives one micro-batch as `[rows]` of `TreeRow`s whose `samples` keep the yielded dicts, in the
-# order `TreeRow.pack` numbers them in `segment_id`.
-ASYNC_COLLATOR_FRAGMENTS = ("(rows,) = examples", "packed = [row.pack() for row in rows]")
-PACK_SEGMENT_FRAGMENTS = (
-    "for i, (sample, nodes) in enumerate(zip(self.samples, self.sample_nodes, strict=True)):",
-    "segment_id.append(i)",
-)
-# `RolloutSample` (a dataclass: `dataclasses.replace` copies it) carries these fields.
-ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics", "old_log_probs", "advantage", "completion_mask", "input_ids")
-# Trainer attributes read: the version counter (bumped on the main process after each sync), the metric sink.
-ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics", "accelerator", "rollout_queue", "weight_transfer")
+# `RolloutSample` is a dataclass (`SampleVersionQueue` copies it with `dataclasses.replace`) with these fields.
+# → keep `model_version` in the yielded sample dict.
+ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics")
+# Trainer attributes read in the loss: the policy version and the metric sink. → `model_version` in the batch would
+# leave `_metrics` only (TRL's logging; DPPO's metrics would come back from `_per_token_policy_loss`).
+ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics")
+# The only AsyncGRPOTrainer methods that write `self.model_version`: none runs inside an optimizer step (the syncs run
+# from callbacks at train begin and step end, the resume before training), so `_policy_version()` reads it once per
+# step. → a version in the batch (the trainer would not read it at all).
+ASYNC_MODEL_VERSION_WRITERS = ("__init__", "_sync_weight_merged", "_sync_weight_lora", "_inner_training_loop")
 # CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
 # kwargs (dppo_trl.backends.cpu.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
 ASYNC_PEAK_FLOPS_SYMBOL = "get_peak_flops_per_device"

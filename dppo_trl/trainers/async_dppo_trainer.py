@@ -5,21 +5,45 @@ up to `max_staleness` policy versions old when it is trained on, and μ — the 
 (`--logprobs-mode processed_logprobs`) — is the only record of the policy that sampled it. That is exactly DPPO's
 anchor: the trust region is taken against μ, however stale.
 
-The glue (no copy of the parent's `compute_loss`, see docs/theory.md "Asynchronous DPPO"):
+The data path, in calls (see docs/theory.md "Asynchronous DPPO"):
 
-1. **μ and π.** `compute_loss` hands the parent a thin callable around the model that keeps the forward's per-position
-   `log_probs`/`entropy` (TRL's fused LM head), and the batch with its advantages zeroed, so the parent's own PPO-clip
-   surrogate contributes no gradient (its `ratio`/`kl`/`entropy` metrics stay true π/μ statistics; its clip metrics,
-   always 0 then, are dropped). The DPPO term `−A · sg(w) · π/sg(π)` (value `−A·w`, gradient `−A·w·∇log π`) with
-   `w` from `dppo_trl.core.loss.policy_loss`, plus the optional μ-KL term, is added with the
-   parent's normalisation (tokens per rank × gradient accumulation).
-2. **Staleness.** TRL computes each sample's staleness in its queue dataset but drops it before packing. The trainer
-   wraps the rollout queue so each sample it hands out carries its `model_version` in its `metrics` dict, and a
-   collator subclass moves it into the batch (`dppo_sample_version`, one entry per packed sample; `segment_id` maps
-   tokens to samples). The loss computes staleness = current policy version − sample version.
-3. **CPU.** Without CUDA the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree attention registered
-   only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
-   `python -m dppo_trl.backends.cpu.vllm_server`.
+    AsyncDPPOTrainer.get_train_dataloader()                  TRL's method restated, two arguments changed:
+      RolloutQueueDataset(rollout_queue=SampleVersionQueue(self.rollout_queue), ...)
+          each sample's `metrics` becomes `SampleMetrics(metrics, model_version)`
+      → TRL's planner (TokenBudgetBatcher / FixedCountBatcher)
+      → SampleVersionCollator (TRL's collator + batch[SAMPLE_VERSION], one version per packed sample)
+    AsyncDPPOTrainer.compute_loss(model, inputs)
+      ├ AsyncGRPOTrainer.compute_loss(forward, inputs with advantages = 0)   forward = KeepForwardOutputs(model)
+      │     its forward, MoE aux loss, ratio/kl/entropy metrics and step accounting stay TRL's; A = 0 makes its
+      │     PPO surrogate contribute value 0 and gradient 0
+      ├ self._loss_inputs(inputs, forward.outputs, self._policy_version())  → LossInputs(π, μ, A, ..., staleness)
+      └ self._trust_region_loss(loss_inputs, inputs)
+            policy_loss(spec, loss_inputs) → per-token eq. 11 (+ μ-KL), scaled as TRL scales its own term
+
+What TRL 1.16 offers no seam for, and how this adapter bridges it (each pinned in tests/trl_contract.py, the TRL
+change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
+
+1. **The sampling version is dropped before the batch.** `RolloutQueueDataset.__iter__` reads `model_version`, uses
+   it for its staleness filter and yields a dict without it; the only field that travels from the queue to the
+   collator untouched is the sample's `metrics` dict. `SampleVersionQueue` (the rollout queue, passed to TRL's dataset
+   as its `rollout_queue` argument) hands out each sample with its metrics as a `SampleMetrics`: a `dict` with the
+   same items plus a `model_version` attribute. It is an attribute, not a key, because TRL's collator averages every
+   key of `metrics` into its logged metrics and its trace logger copies them.
+2. **The collator is built inline.** `get_train_dataloader` constructs `DataCollatorForRollout(...)` in its body
+   (no attribute or method to override), so this trainer restates that method with TRL's own classes and
+   `SampleVersionCollator`; `tests/test_trl_contract.py` fails when TRL's method changes.
+3. **`compute_loss` is one method** (forward, PPO clip, normalisation, aux loss, metrics) with no hook between the
+   forward and the clip, and its inputs are read before the forward, so nothing can be substituted once π is known.
+   It runs on the batch with zeroed advantages and `KeepForwardOutputs` in place of the model (a callable that
+   keeps the outputs of TRL's one `model(...)` call); DPPO's term is added on those log-probs with TRL's
+   normalisation (tokens per rank, then gradient accumulation), which `tests/test_async_dppo.py` pins against TRL's
+   real loss. TRL's PPO-clip rates, always 0 with zero advantages, are dropped from the logs.
+4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only, between
+   optimizer steps; `_policy_version()` reads it once per optimizer step (a broadcast on several processes).
+
+On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
+attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
+`python -m dppo_trl.backends.cpu.vllm_server`.
 
 Top-K divergences are refused: the worker requests only the sampled token's log-prob (`"logprobs": 0`).
 """
@@ -28,17 +52,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
-from trl.experimental.async_grpo import async_grpo_trainer as _parent_module
+from accelerate.utils import broadcast_object_list
+from torch.utils.data import DataLoader
 from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_grpo_trainer import (
     AsyncGRPOTrainer,
     DataCollatorForRollout,
+    FixedCountBatcher,
     RolloutQueueDataset,
+    TokenBudgetBatcher,
+    _EmptyIterableDataset,
 )
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
@@ -49,13 +77,21 @@ from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.trainers.config import TrustRegionFields
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 
-__all__ = ["SAMPLE_VERSION", "AsyncDPPOConfig", "AsyncDPPOTrainer"]
+__all__ = [
+    "SAMPLE_VERSION",
+    "AsyncDPPOConfig",
+    "AsyncDPPOTrainer",
+    "KeepForwardOutputs",
+    "SampleMetrics",
+    "SampleVersionCollator",
+    "SampleVersionQueue",
+]
 
-# Batch key: the policy version that sampled each packed sample of a row (−1 pads rows to the same length).
+# Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
+# `segment_id` numbers a row's samples, −1 padded.
 SAMPLE_VERSION = "dppo_sample_version"
-# Where the version rides from the queue to the collator: the sample's per-sample `metrics` dict, which TRL passes
-# through its queue dataset and batcher untouched. The collator removes it before TRL aggregates those metrics.
-_VERSION_KEY = "dppo/_model_version"
+
+logger = logging.getLogger(__name__)
 
 
 def _cuda_available() -> bool:
@@ -104,63 +140,87 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
             )
 
 
-class _VersionTaggingQueue:
-    """The rollout queue, handing out each sample with its `model_version` copied into its `metrics` dict (a copy of
-    the sample: the worker's object and anything else holding it are not touched)."""
+class SampleMetrics(dict):
+    """A rollout sample's `metrics` (same items) that also records the policy version which sampled the sample.
+
+    The version is an attribute, not an item: TRL's collator averages every item of `metrics` into the logged
+    metrics and its trace logger copies them, so an item would leak into both.
+    """
+
+    def __init__(self, metrics: dict[str, float], model_version: int):
+        super().__init__(metrics)
+        self.model_version = int(model_version)
+
+
+class SampleVersionQueue:
+    """The rollout queue as TRL's `RolloutQueueDataset` reads it (`get(timeout=...)`, `qsize()`), handing out each
+    sample with its `metrics` as `SampleMetrics` (a copy of the sample: the worker's object is not touched)."""
 
     def __init__(self, queue: Any):
-        self._queue = queue
+        self.queue = queue
 
-    def get(self, *args, **kwargs):
-        sample = self._queue.get(*args, **kwargs)
-        return dataclasses.replace(sample, metrics={**sample.metrics, _VERSION_KEY: int(sample.model_version)})
+    def get(self, timeout: float | None = None) -> Any:
+        sample = self.queue.get(timeout=timeout)
+        return dataclasses.replace(sample, metrics=SampleMetrics(sample.metrics, sample.model_version))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._queue, name)
+    def qsize(self) -> int:
+        return self.queue.qsize()
 
 
-class _VersionedRolloutQueueDataset(RolloutQueueDataset):
-    def __init__(self, rollout_queue, *args, **kwargs):
-        super().__init__(_VersionTaggingQueue(rollout_queue), *args, **kwargs)
+def sample_versions(rows: list[Any]) -> torch.Tensor:
+    """`(len(rows), max samples per row)` sampling versions of packed `TreeRow`s, in each row's sample order (the
+    order `TreeRow.pack` numbers in `segment_id`), −1 padded."""
+    versions = []
+    for row in rows:
+        for sample in row.samples:
+            if not isinstance(sample["metrics"], SampleMetrics):
+                raise TypeError(
+                    "A rollout sample reached the collator without its sampling version (its `metrics` is not a "
+                    "SampleMetrics): it was not read through SampleVersionQueue. TRL's queue dataset may have "
+                    "changed how it passes `metrics` on; see tests/test_trl_contract.py."
+                )
+        versions.append([sample["metrics"].model_version for sample in row.samples])
+    width = max(1, max(len(row) for row in versions))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in versions], dtype=torch.long)
 
 
 @dataclass
-class _VersionedCollator(DataCollatorForRollout):
-    """TRL's rollout collator, plus `SAMPLE_VERSION`: `(num_processes, max samples per row)` sampling versions in each
-    row's sample order (the order of `segment_id`), −1 padded."""
+class SampleVersionCollator(DataCollatorForRollout):
+    """TRL's rollout collator, plus `batch[SAMPLE_VERSION]` (`sample_versions` of the micro-batch's rows)."""
 
     def torch_call(self, examples: list[Any]) -> dict[str, Any]:
-        (rows,) = examples
-        versions = [[example["metrics"].pop(_VERSION_KEY, -1) for example in row.samples] for row in rows]
         batch = super().torch_call(examples)
-        width = max(1, max(len(row) for row in versions))
-        batch[SAMPLE_VERSION] = torch.tensor([row + [-1] * (width - len(row)) for row in versions], dtype=torch.long)
+        (rows,) = examples  # one planner item per batch: the micro-batch's rows, one per process
+        batch[SAMPLE_VERSION] = sample_versions(rows)
         return batch
 
 
-class _ForwardCapture:
-    """Calls the model as the parent's `compute_loss` does and keeps the per-position `log_probs` and `entropy` of
-    TRL's fused LM head (with their graph) for the DPPO term."""
+class KeepForwardOutputs:
+    """The model as `AsyncGRPOTrainer.compute_loss` calls it, keeping the outputs of that one call (TRL's fused LM head:
+    per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss."""
 
     def __init__(self, model: Any):
         self.model = model
-        self.log_probs: torch.Tensor | None = None
-        self.entropy: torch.Tensor | None = None
+        self.outputs: Any = None
 
     def __call__(self, *args, **kwargs):
-        outputs = self.model(*args, **kwargs)
-        self.log_probs = outputs.log_probs
-        self.entropy = getattr(outputs, "entropy", None)
-        return outputs
+        if self.outputs is not None:
+            raise RuntimeError(
+                "AsyncGRPOTrainer.compute_loss called the model twice; AsyncDPPOTrainer expects one forward per loss "
+                "call (see tests/trl_contract.py)."
+            )
+        self.outputs = self.model(*args, **kwargs)
+        return self.outputs
 
 
 class AsyncDPPOTrainer(AsyncGRPOTrainer):
     """TRL's `AsyncGRPOTrainer` with DPPO's trust region (eqs. 11-16) anchored on the vLLM server's μ.
 
     Takes `AsyncGRPOTrainer`'s arguments; `args` is an [`AsyncDPPOConfig`]. Without CUDA, `weight_transfer` defaults
-    to `dppo_trl.backends.cpu.async_cpu.FileWeightTransfer` (the server must be `python -m dppo_trl.backends.cpu.vllm_server`). Logs the
-    `dppo/*` metrics of `DPPOTrainer` plus `dppo/staleness_{s}/mask_ratio` and `dppo/staleness_{s}/mismatch_abs_mean`
-    for s = 0 … `max_staleness`.
+    to `dppo_trl.backends.cpu.async_cpu.FileWeightTransfer` (the server must be
+    `python -m dppo_trl.backends.cpu.vllm_server`). Logs the `dppo/*` metrics of `DPPOTrainer` plus
+    `dppo/staleness_{s}/mask_ratio` and `dppo/staleness_{s}/mismatch_abs_mean` for s = 0 … `max_staleness`. See the
+    module docstring for how the batch reaches `dppo_trl.core.loss.policy_loss`.
     """
 
     def __init__(self, model: str, reward_funcs=None, args: AsyncDPPOConfig | None = None, *pargs, **kwargs):
@@ -178,60 +238,101 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self.trust_region_spec = self.args.trust_region_spec()
+        self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
+        # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
+        self._policy_version_read: tuple[Any, int, int] | None = None
 
-    def get_train_dataloader(self):
-        # The only change: each sample's sampling version travels with it into the batch (`SAMPLE_VERSION`).
-        with (
-            mock.patch.object(_parent_module, "RolloutQueueDataset", _VersionedRolloutQueueDataset),
-            mock.patch.object(_parent_module, "DataCollatorForRollout", _VersionedCollator),
-        ):
-            return super().get_train_dataloader()
+    def get_train_dataloader(self) -> DataLoader:
+        """`AsyncGRPOTrainer.get_train_dataloader` of TRL 1.16 with two arguments changed: the queue dataset reads the
+        rollout queue through `SampleVersionQueue`, and the collator is `SampleVersionCollator`. TRL builds its
+        collator inline, so there is no narrower seam; the contract test fails when TRL's method changes."""
+        num_processes = self.accelerator.num_processes
+        if self.accelerator.is_main_process:
+            dataset = RolloutQueueDataset(
+                rollout_queue=SampleVersionQueue(self.rollout_queue),
+                model_version_fn=lambda: self.model_version,
+                check_health_fn=self.rollout_worker.check_health,
+                stale_after_s=self.args.heartbeat_stale_after_s,
+                metrics=self._metrics["train"],
+                max_staleness=self.args.max_staleness,
+                report_to=self.args.report_to,
+            )
+            self._rollout_dataset = dataset  # TRL's `_log_step_metrics` flushes its queue wait
+            if self.args.token_budget is None:
+                self.vllm_client.wait_for_server_ready()
+                self.args.token_budget = self.vllm_client.get_max_model_len()
+                logger.info(f"token_budget unset; defaulting to vLLM max_model_len={self.args.token_budget}")
+            if self.args.token_budget > 0:
+                dataset = TokenBudgetBatcher(dataset, num_processes, self.args.token_budget, self._metrics["train"])
+            else:
+                dataset = FixedCountBatcher(
+                    dataset, num_processes, self.args.per_device_train_batch_size * num_processes
+                )
+        else:
+            dataset = _EmptyIterableDataset()
+        return self.accelerator.prepare(
+            DataLoader(
+                dataset,
+                batch_size=1,
+                collate_fn=SampleVersionCollator(
+                    self.processing_class.pad_token_id,
+                    num_processes,
+                    groups_trained=self._trained_groups,
+                    metrics=self._metrics["train"],
+                    token_budget=max(self.args.token_budget or 0, 0),
+                ),
+                num_workers=0,
+            )
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The parent's loss with zeroed advantages (its forward, aux loss and metrics), plus the DPPO term."""
-        versions = inputs.pop(SAMPLE_VERSION, None)
-        capture = _ForwardCapture(model)
-        parent_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
+        """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus DPPO's
+        term on that forward's log-probs."""
+        forward = KeepForwardOutputs(model)
+        trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
         attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
         with attention:
-            loss = super().compute_loss(capture, parent_inputs, return_outputs, num_items_in_batch)
-        return loss + self._dppo_loss(inputs, capture, versions)
+            trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
+        loss_inputs = self._loss_inputs(inputs, forward.outputs, self._policy_version())
+        return trl_loss + self._trust_region_loss(loss_inputs, inputs)
 
-    def _dppo_loss(self, inputs: dict, capture: _ForwardCapture, versions: torch.Tensor | None) -> torch.Tensor:
+    def _loss_inputs(self, inputs: dict[str, Any], outputs: Any, policy_version: int) -> LossInputs:
+        """The core's per-token inputs of one packed row: the loss terms (`token_index >= 0`), as TRL selects them."""
         selected = inputs["token_index"] >= 0
         token_index = inputs["token_index"][selected]
-        pi_logps = capture.log_probs.flatten()[token_index].float()
-        entropies = capture.entropy.flatten()[token_index] if capture.entropy is not None else None
-        advantages = inputs["advantages"][selected].float()
-        mu_logps, valid = sanitize_behavior_logps(inputs["old_log_probs"][selected])
+        valid_mu, valid = sanitize_behavior_logps(inputs["old_log_probs"][selected])
+        entropy = getattr(outputs, "entropy", None)
         staleness = None
-        if versions is not None:
-            sample_versions = versions.reshape(-1, versions.shape[-1])[0]
-            staleness = (self._policy_version() - sample_versions[inputs["segment_id"][selected]]).clamp(min=0)
-        outputs = policy_loss(
-            self.trust_region_spec,
-            LossInputs(
-                pi_logps=pi_logps,
-                mu_logps=mu_logps,
-                advantages=advantages,
-                tokens=torch.ones_like(valid),
-                valid=valid,
-                entropies=entropies.detach() if entropies is not None else None,
-                staleness=staleness,
-            ),
+        if SAMPLE_VERSION in inputs:
+            versions = inputs[SAMPLE_VERSION].reshape(-1, inputs[SAMPLE_VERSION].shape[-1])[0]  # this rank's row
+            staleness = (policy_version - versions[inputs["segment_id"][selected]]).clamp(min=0)
+        return LossInputs(
+            pi_logps=outputs.log_probs.flatten()[token_index].float(),
+            mu_logps=valid_mu,
+            advantages=inputs["advantages"][selected].float(),
+            tokens=torch.ones_like(valid),
+            valid=valid,
+            entropies=entropy.flatten()[token_index].detach() if entropy is not None else None,
+            staleness=staleness,
         )
+
+    def _trust_region_loss(self, loss_inputs: LossInputs, inputs: dict[str, Any]) -> torch.Tensor:
+        """DPPO's per-token terms summed and scaled as `AsyncGRPOTrainer.compute_loss` scales its policy term: by the
+        tokens per process (`global_n_tokens / num_processes`), then by gradient accumulation. Logs `dppo/*`."""
+        outputs = policy_loss(self.trust_region_spec, loss_inputs)
         per_token = outputs.policy_loss if outputs.mu_kl is None else outputs.policy_loss + outputs.mu_kl
-        # The parent's normalisation: tokens per rank, then gradient accumulation (pinned by tests/test_async_dppo.py).
         tokens_per_rank = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
-        loss = per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
         log_trust_region_metrics(self, outputs.stats, "train")
-        return loss
+        return per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
 
     def _policy_version(self) -> int:
-        # Only the main process bumps `model_version` (it drives the server); every rank needs the same value.
+        """The version of the weights being trained: TRL's `model_version`, which only the main process bumps (after
+        each weight sync, between optimizer steps). On several processes it is broadcast from the main process once
+        per optimizer step, at the step's first loss call, which every process reaches together."""
         if self.accelerator.num_processes == 1:
             return int(self.model_version)
-        from accelerate.utils import broadcast_object_list
-
-        return int(broadcast_object_list([self.model_version], from_process=0)[0])
+        read = self._policy_version_read
+        if read is None or read[0] is not self.state or read[1] != self.state.global_step:
+            version = int(broadcast_object_list([self.model_version], from_process=0)[0])
+            read = self._policy_version_read = (self.state, self.state.global_step, version)
+        return read[2]
