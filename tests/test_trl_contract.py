@@ -114,6 +114,8 @@ def test_config_fields_exist():
         "trust_region",
         "relax_alpha",
         "vllm_server_request_timeout",
+        "vllm_cpu_dtype",
+        "vllm_cpu_engine_kwargs",
     }
 
 
@@ -191,10 +193,7 @@ def test_vllm_server_mode_contract():
     init_source = inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
     for fragment in trl_contract.VLLM_INIT_SERVER_FRAGMENTS:
         assert fragment in init_source, f"VLLMGeneration._init_vllm changed: missing {fragment!r}"
-    from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE
-
-    # TRL's own method, also when a colocate test earlier in this process swapped in the CPU colocate sync.
-    sync_source = inspect.getsource(PATCH_STATE.original_sync_weights or vllm_generation.VLLMGeneration.sync_weights)
+    sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
     for fragment in trl_contract.VLLM_SERVER_SYNC_FRAGMENTS:
         assert fragment in sync_source, f"VLLMGeneration.sync_weights changed: missing {fragment!r}"
     client_init = inspect.getsource(vllm_client.VLLMClient.__init__)
@@ -343,7 +342,7 @@ def test_async_packing_sample_worker_and_cpu_contract():
 
 def test_fault_handling_internals():
     """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/hardening/preemption.py` and
-    `dppo_trl/backends/cpu/vllm_cpu.py` use them."""
+    `dppo_trl/backends/cpu/` use them."""
     from transformers import trainer_jit_checkpoint
     from trl.generation import vllm_client
 
