@@ -26,9 +26,7 @@ import os
 import sys
 
 # The repository root holds `dppo_dev` (scaffolding, not installed).
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env()
 
@@ -44,7 +42,7 @@ from pathlib import Path  # noqa: E402
 
 TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
-from bench_env import (  # noqa: E402
+from dppo_dev.bench_env import (  # noqa: E402
     PROMPTS,
     emit_json,
     launcher,
@@ -54,7 +52,6 @@ from bench_env import (  # noqa: E402
     thread_settings,
     versions,
 )
-
 from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS

@@ -48,16 +48,16 @@ from dataclasses import dataclass, field
 # The default run is offline; respect anything the user exported.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import torch  # noqa: E402
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+import torch
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
-from dapo_math.card import attach_recipe_to_model_card, recipe_card_section  # noqa: E402, F401
-from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
-from dapo_math.evaluation import MathEvalCallback  # noqa: E402
-from dapo_math.plots import plot_training_curves, summarize_run, summary_line  # noqa: E402
-from dapo_math.preflight import run_preflight  # noqa: E402
-from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
-from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
+from dapo_math.card import attach_recipe_to_model_card, recipe_card_section
+from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math
+from dapo_math.evaluation import MathEvalCallback
+from dapo_math.plots import plot_training_curves, summarize_run, summary_line
+from dapo_math.preflight import run_preflight
+from dapo_math.rewards import accuracy_reward, format_reward
+from dppo_trl import DPPOConfig, DPPOTrainer
 
 EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")

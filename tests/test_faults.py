@@ -20,7 +20,8 @@ WAIT = 600  # seconds: bound on any wait (a loaded shared machine is slow); the 
 
 
 def _env(**extra) -> dict:
-    paths = [ROOT, os.environ.get("PYTHONPATH", "")]
+    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
 
 

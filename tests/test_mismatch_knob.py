@@ -6,16 +6,11 @@ reference-perturbed weights, so what the engine samples from is exactly the conf
 """
 
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks", "sanity"))
-
-from mismatch import (  # noqa: E402
+from mismatch import (  # benchmarks/sanity (pytest's pythonpath)
     EngineMismatch,
     WeightMismatch,
     engine_config_fields,
@@ -26,6 +21,7 @@ from mismatch import (  # noqa: E402
     relative_noise,
 )
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 
 

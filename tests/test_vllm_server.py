@@ -36,7 +36,8 @@ FRESH_MISMATCH = 1e-4  # |π − μ| right after a sync, fp32 on both sides
 
 
 def _subprocess_env(**extra) -> dict:
-    paths = [ROOT, os.path.join(ROOT, "examples"), os.environ.get("PYTHONPATH", "")]
+    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
 
 

@@ -30,11 +30,9 @@ import tempfile
 import time
 from collections import Counter
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# `dppo_dev` (scaffolding, not installed) lives in the repository root, the recipe's `dapo_math` in `examples/`.
-sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "examples")]
+from dppo_dev.offline import set_offline_env
 
-from dppo_dev.offline import set_offline_env  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 set_offline_env()
 
@@ -767,8 +765,7 @@ def stdout_summary(out: dict, output_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-    from bench_env import emit_json, stdout_to_stderr
+    from dppo_dev.bench_env import emit_json, stdout_to_stderr
 
     # Tables and progress go to stderr (the tables also to `tables.md`); stdout is one JSON object.
     with stdout_to_stderr():
