@@ -26,21 +26,16 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bench_env import emit_json, launcher, load_average, stdout_to_stderr, thread_settings, versions  # noqa: E402
-from train_dapo_math_async import (  # noqa: E402
-    TINY_MODEL_DIR,
-    TINY_TRAIN_FILE,
-    load_tokenizer,
-    start_cpu_server,
-    stop_server,  # noqa: E402
-)
+from dapo_math.data import load_dapo_math
+from dapo_math.rewards import accuracy_reward, format_reward
+from dapo_math.server import load_tokenizer, start_cpu_server, stop_server
+from dppo_dev.bench_env import emit_json, launcher, load_average, stdout_to_stderr, thread_settings, versions
 
-from dapo_math.data import load_dapo_math  # noqa: E402
-from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL_DIR = os.path.join(ROOT, "examples", "tiny_math_model")
+TINY_TRAIN_FILE = os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")
 
 
 def _common(args, output_dir: str) -> dict:

@@ -26,9 +26,7 @@ import os
 import sys
 
 # The repository root holds `dppo_dev` (scaffolding, not installed).
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env()
 
@@ -44,7 +42,7 @@ from pathlib import Path  # noqa: E402
 
 TRAINERS = ("grpo", "dppo")
 # Tiny Qwen3 shapes (vocab = the byte tokenizer's 259 ids). head_dim must be a size vLLM's CPU attention supports.
-from bench_env import (  # noqa: E402
+from dppo_dev.bench_env import (  # noqa: E402
     PROMPTS,
     emit_json,
     launcher,
@@ -54,7 +52,6 @@ from bench_env import (  # noqa: E402
     thread_settings,
     versions,
 )
-
 from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS
@@ -125,7 +122,9 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.backends.cpu.vllm_cpu import is_vllm_cpu_platform, patch_trl_vllm_for_cpu
+    from dppo_trl.backends.cpu.construction import trainer_construction_patches
+    from dppo_trl.backends.cpu.engine import EngineOptions
+    from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
 
     class StepTimer(TrainerCallback):
         """Wall-clock time of each optimizer step, generation included (TRL generates inside `training_step`)."""
@@ -141,10 +140,6 @@ def run_worker(args: argparse.Namespace) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self._start)
             self.cpu_times.append(time.process_time() - self._cpu_start)
-
-    if is_vllm_cpu_platform():
-        # DPPOTrainer applies this itself; GRPOTrainer needs it too, and both then get the same engine settings.
-        patch_trl_vllm_for_cpu()
 
     common = dict(
         output_dir=str(Path(args.result_file).parent / f"out-{args.worker}"),
@@ -177,14 +172,18 @@ def run_worker(args: argparse.Namespace) -> None:
     dataset = Dataset.from_dict({"prompt": PROMPTS * repeats})
     timer = StepTimer()
     start = time.perf_counter()
-    trainer = trainer_cls(
-        model=args.model_dir,
-        reward_funcs=ascii_reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=build_byte_tokenizer(),
-        callbacks=[timer],
-    )
+    # DPPOTrainer sets up vLLM's CPU runtime itself; GRPOTrainer gets the same engine settings and weight sync here
+    # (both steps do nothing off vLLM's CPU platform).
+    with trainer_construction_patches(config.use_vllm, config.vllm_mode, EngineOptions.from_config(config)):
+        trainer = trainer_cls(
+            model=args.model_dir,
+            reward_funcs=ascii_reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=build_byte_tokenizer(),
+            callbacks=[timer],
+        )
+    bind_colocate_weight_sync(trainer.vllm_generation)
     init_s = time.perf_counter() - start
     # Phase timings, one entry per generation batch: the engine call (TRL's log-prob extraction and DPPO's top-K
     # capture included), the weight sync before it (0 when the weights did not change) and the whole
@@ -339,7 +338,7 @@ def _run_one(trainer: str, args: argparse.Namespace, model_dir: str, workdir: Pa
         cmd += ["--steps-per-generation", str(args.steps_per_generation)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Both trainers under one thread setting: without OMP_NUM_THREADS, DPPOTrainer's CPU colocate path trains with one
-    # torch thread (dppo_trl.backends.cpu.vllm_cpu.cpu_colocate_threads) while GRPOTrainer keeps torch's one per core, so the pair
+    # torch thread (dppo_trl.backends.cpu.threads.cpu_colocate_threads) while GRPOTrainer keeps torch's one per core, so the pair
     # would compare thread counts, not trainers. Unset, it is 1 (what `accelerate launch` sets); export it to choose.
     env.setdefault("OMP_NUM_THREADS", "1")
     repo_root = str(Path(__file__).resolve().parents[1])

@@ -20,13 +20,8 @@ Times are medians over `--repeats`. Prints one JSON object to stdout (library no
     .venv/bin/python benchmarks/topk_capture.py [--completions 64 --tokens 64 --k 20 --repeats 5 --model-size tiny]
 """
 
-import os
-import sys
-
 # The repository root holds `dppo_dev` (scaffolding, not installed).
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # keep the engine in this process (no IPC in the timings)
 
@@ -37,9 +32,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench_env import PROMPTS as BENCH_PROMPTS  # noqa: E402
-from bench_env import emit_json, load_average, machine_info, stdout_to_stderr, versions  # noqa: E402
-
+from dppo_dev.bench_env import PROMPTS as BENCH_PROMPTS  # noqa: E402
+from dppo_dev.bench_env import emit_json, load_average, machine_info, stdout_to_stderr, versions  # noqa: E402
 from dppo_dev.tiny_models import QWEN3_SIZE_PRESETS  # noqa: E402
 
 MODEL_PRESETS = QWEN3_SIZE_PRESETS

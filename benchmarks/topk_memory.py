@@ -35,23 +35,17 @@ Prints one JSON object to stdout (library notices go to stderr) and exits 1 when
     python benchmarks/topk_memory.py --device cuda --dtype bfloat16   # GPU (scripts/gpu_check.sh)
 """
 
+import argparse
+import gc
+import json
 import os
+import platform
+import subprocess
 import sys
+import threading
+import time
 
-# The repository root holds `dppo_dev` (scaffolding, not installed), this folder `bench_env`; the workers run this
-# file too, and tests import it as a module.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-from bench_env import emit_json, load_average, stdout_to_stderr  # noqa: E402
+from dppo_dev.bench_env import emit_json, load_average, stdout_to_stderr
 
 VARIANTS = ("naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused")
 

@@ -4,6 +4,7 @@
 - `offline`: the environment for offline runs.
 - `tiny_math`: the generator of the bundled tiny math set and of the tiny pretrained model.
 - `topk_reference`: the differentiable fused top-K gather (design A) and the full-logits references.
+- `bench_env`: what the vLLM benchmarks share (prompts, machine and software description, JSON output).
 
-Import it from the repository root (pytest and the benchmarks put the root on `sys.path`).
+Installed editable with `dapo_math` as the `dppo-trl-dev` distribution (`dev/pyproject.toml`, `scripts/setup.sh`).
 """

@@ -20,13 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
-if EXAMPLES_DIR not in sys.path:  # run as a script: make `dapo_math` importable
-    sys.path.insert(0, EXAMPLES_DIR)
-
-from dapo_math.plots import ACCURACY_KEY, MISMATCH_KEY, summarize_run, summary_line  # noqa: E402
+from dapo_math.plots import ACCURACY_KEY, MISMATCH_KEY, summarize_run, summary_line
 
 MASK_KEY = "dppo/mask_ratio"
 

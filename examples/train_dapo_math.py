@@ -48,17 +48,16 @@ from dataclasses import dataclass, field
 # The default run is offline; respect anything the user exported.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import torch  # noqa: E402
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+import torch
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
-from dapo_math.card import attach_recipe_to_model_card, recipe_card_section  # noqa: E402, F401
-from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math  # noqa: E402
-from dapo_math.engine import VLLM_CPU_DTYPES, vllm_cpu_engine_dtype  # noqa: E402
-from dapo_math.evaluation import MathEvalCallback  # noqa: E402
-from dapo_math.plots import plot_training_curves, summarize_run, summary_line  # noqa: E402
-from dapo_math.preflight import run_preflight  # noqa: E402
-from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
-from dppo_trl import DPPOConfig, DPPOTrainer  # noqa: E402
+from dapo_math.card import attach_recipe_to_model_card, recipe_card_section
+from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math
+from dapo_math.evaluation import MathEvalCallback
+from dapo_math.plots import plot_training_curves, summarize_run, summary_line
+from dapo_math.preflight import run_preflight
+from dapo_math.rewards import accuracy_reward, format_reward
+from dppo_trl import DPPOConfig, DPPOTrainer
 
 EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
@@ -92,7 +91,7 @@ TINY_RUN_DEFAULTS = {
 }
 # The tiny model writes DAPO's "Answer:" line only half the time; a small format reward lets RL fix that first
 # (accuracy requires the format), which is what makes the accuracy climb within a few minutes. The engine samples in
-# bf16 where the CPU has it natively (examples/dapo_math/engine.py).
+# bf16 where the CPU has it natively (`DPPOConfig.vllm_cpu_dtype="auto"`).
 TINY_EVAL_DEFAULTS = {
     "math_eval_steps": 50,
     "math_eval_num_samples": 4,
@@ -138,15 +137,6 @@ class DAPOMathScriptArguments(ScriptArguments):
         default=16, metadata={"help": "k in avg@k: samples per evaluation problem, at the training temperature."}
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only the first N problems per set."})
-    vllm_cpu_dtype: str | None = field(
-        default=None,
-        metadata={
-            "help": "dtype of the colocated vLLM engine on vLLM's CPU build (ignored elsewhere): `auto` (bfloat16 "
-            "where the CPU has native bf16, else float32), `bfloat16` or `float32`. Default: float32, the engine "
-            "then matches an fp32 trainer to ~1e-6. The CPU demo uses `auto`. See examples/dapo_math/engine.py.",
-            "choices": list(VLLM_CPU_DTYPES),
-        },
-    )
     plot_curves: bool = field(
         default=True, metadata={"help": "Save the reward/accuracy curves to `<output_dir>/training_curves.png`."}
     )
@@ -236,6 +226,21 @@ def load_eval_sets(script_args: DAPOMathScriptArguments) -> dict:
     return eval_sets
 
 
+def print_engine_dtype(training_args: DPPOConfig) -> None:
+    """Print the colocated CPU engine's dtype next to the trainer's (main process; nothing elsewhere)."""
+    from accelerate import PartialState
+
+    from dppo_trl.backends.cpu.engine import resolve_engine_dtype
+    from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
+
+    if not (training_args.use_vllm and training_args.vllm_mode == "colocate" and is_vllm_cpu_platform()):
+        return
+    if PartialState().is_main_process:
+        dtype, reason = resolve_engine_dtype(training_args.vllm_cpu_dtype)
+        trainer_dtype = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+        print(f"vLLM CPU engine dtype: {dtype} ({reason}); trainer: {trainer_dtype}", flush=True)
+
+
 def main(
     script_args: DAPOMathScriptArguments,
     training_args: DPPOConfig,
@@ -277,16 +282,16 @@ def main(
         if training_args.reward_weights is None:
             training_args.reward_weights = [1.0, script_args.format_reward_weight]
 
-    with vllm_cpu_engine_dtype(training_args, script_args.vllm_cpu_dtype):
-        trainer = DPPOTrainer(
-            model=model_args.model_name_or_path,
-            reward_funcs=reward_funcs,
-            args=training_args,
-            train_dataset=train_dataset,
-            peft_config=get_peft_config(model_args),
-            quantization_config=quantization_config,
-            callbacks=callbacks,
-        )
+    print_engine_dtype(training_args)
+    trainer = DPPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        peft_config=get_peft_config(model_args),
+        quantization_config=quantization_config,
+        callbacks=callbacks,
+    )
 
     eval_callback = None
     if eval_sets:

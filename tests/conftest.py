@@ -5,7 +5,7 @@ import os
 import socket
 
 # Must happen before transformers / TRL / datasets are imported anywhere in the test session.
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env()
 

@@ -535,11 +535,9 @@ def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
 def test_async_recipe_parses_into_the_config(tmp_path):
     """The GPU recipe's options are all fields of the script's arguments or of AsyncDPPOConfig, and validate."""
     import yaml
+    from train_dapo_math_async import AsyncScriptArguments
 
     from dppo_trl import AsyncDPPOConfig
-
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_dapo_math_async import AsyncScriptArguments
 
     with open(os.path.join(ROOT, "examples", "recipes", "async", "qwen3_1.7b_base_dapo_math_async.yaml")) as f:
         recipe = yaml.safe_load(f)

@@ -98,11 +98,8 @@ def test_topk_memory_rejects_bad_sizes_and_reports_failed_workers():
     )
     assert proc.returncode == 2 and "--vocab-tile must be >= 1" in proc.stderr and proc.stdout == ""
     # A worker that dies is reported as an error entry (the driver then exits 1), never as a silent null.
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        import topk_memory
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    import topk_memory  # benchmarks/ (pytest's pythonpath)
+
     failed = topk_memory._run_worker([sys.executable, "-c", "raise SystemExit('worker died')"], "naive")
     assert failed == {"variant": "naive", "error": "worker died", "returncode": 1}
 

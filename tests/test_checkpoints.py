@@ -147,8 +147,6 @@ def test_resume_inside_a_generation_batch_warns(tiny_model_dir, tmp_path):
 
 # --- two ranks (torchrun, DDP on gloo) ----------------------------------------------------------------------------
 _DDP_SCRIPT = """
-import sys
-sys.path[:0] = {paths!r}
 from dppo_dev.offline import set_offline_env
 set_offline_env()
 from trainer_setup import make_trainer
@@ -166,11 +164,13 @@ def test_two_ranks_write_into_the_staged_checkpoint_before_it_is_renamed(tiny_mo
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "out"
     script = tmp_path / "train.py"
-    paths = [root, os.path.join(root, "examples"), os.path.join(root, "tests")]
-    script.write_text(_DDP_SCRIPT.format(paths=paths, model=tiny_model_dir, out=str(out)))
+    script.write_text(_DDP_SCRIPT.format(model=tiny_model_dir, out=str(out)))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    # `trainer_setup` lives in tests/: the ranks find it through their environment, as pytest does through its own.
+    paths = [os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     result = subprocess.run(
-        command + [str(free_port), str(script)], capture_output=True, text=True, timeout=600, cwd=root
+        command + [str(free_port), str(script)], capture_output=True, text=True, timeout=600, cwd=root, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in os.listdir(out) if "checkpoint" in p) == ["checkpoint-1", "checkpoint-2"]

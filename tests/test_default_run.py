@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
+from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
@@ -26,7 +26,7 @@ def test_default_run_is_off_policy_vllm_colocate(example):
 
     script_args, args, _ = example.parse_args([])
     assert args.use_vllm and args.vllm_mode == "colocate"
-    assert script_args.vllm_cpu_dtype == "auto"
+    assert args.vllm_cpu_dtype == "auto"
     assert args.trust_region == "dppo" and args.anchor == "behavior"
     # Several optimizer steps per rollout, each a whole number of accumulation rounds: π drifts from μ in a rollout.
     assert args.steps_per_generation % args.gradient_accumulation_steps == 0
@@ -39,7 +39,7 @@ def test_default_run_is_off_policy_vllm_colocate(example):
 
 def test_user_settings_win_over_the_default_run(example, tmp_path):
     script_args, args, _ = example.parse_args(["--use_vllm", "false", "--vllm_cpu_dtype", "float32"])
-    assert not args.use_vllm and script_args.vllm_cpu_dtype == "float32"
+    assert not args.use_vllm and args.vllm_cpu_dtype == "float32"
     assert args.steps_per_generation == example.TINY_RUN_DEFAULTS["steps_per_generation"]
     config = tmp_path / "c.yaml"
     config.write_text("use_vllm: false\nsteps_per_generation: 1\n")
@@ -49,29 +49,27 @@ def test_user_settings_win_over_the_default_run(example, tmp_path):
         example.parse_args(["--vllm_cpu_dtype", "fp8"])
 
 
-def test_engine_dtype_is_bf16_where_the_cpu_has_it(monkeypatch):
-    from dapo_math import engine
+def test_engine_dtype_is_bf16_where_the_cpu_has_it():
+    from dppo_trl.backends.cpu.engine import resolve_engine_dtype
+    from dppo_trl.backends.cpu.platform import cpu_has_native_bf16
 
-    expected = "bfloat16" if engine.cpu_has_native_bf16() else "float32"
-    assert engine.resolve_vllm_cpu_dtype("auto")[0] == expected
-    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: False)
-    dtype, reason = engine.resolve_vllm_cpu_dtype("auto")
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_engine_dtype("auto")[0] == expected
+    dtype, reason = resolve_engine_dtype("auto", native_bf16=False)
     assert dtype == "float32" and "fallback" in reason
-    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: True)
-    assert engine.resolve_vllm_cpu_dtype("auto")[0] == "bfloat16"
-    assert engine.resolve_vllm_cpu_dtype("float32")[0] == "float32"
+    assert resolve_engine_dtype("auto", native_bf16=True)[0] == "bfloat16"
+    assert resolve_engine_dtype("float32", native_bf16=True)[0] == "float32"
     with pytest.raises(ValueError, match="vllm_cpu_dtype"):
-        engine.resolve_vllm_cpu_dtype("fp8")
+        resolve_engine_dtype("fp8")
 
 
-def test_engine_dtype_does_not_apply_without_colocate(example):
-    from dapo_math.engine import vllm_cpu_engine_dtype
+def test_engine_dtype_reaches_the_engine_through_the_config(example):
+    from dppo_trl.backends.cpu.engine import EngineOptions, resolve_engine_dtype
 
-    _, args, _ = example.parse_args(["--use_vllm", "false"])
-    before = dict(PATCH_STATE.llm_defaults)
-    with vllm_cpu_engine_dtype(args, "bfloat16") as dtype:
-        assert dtype is None
-    assert PATCH_STATE.llm_defaults == before
+    _, args, _ = example.parse_args([])
+    assert EngineOptions.from_config(args).dtype == resolve_engine_dtype("auto")[0]
+    _, args, _ = example.parse_args(["--vllm_cpu_dtype", "bfloat16"])
+    assert EngineOptions.from_config(args).dtype == "bfloat16"
 
 
 # --- curves and summary -------------------------------------------------------------------------------------------
@@ -174,14 +172,13 @@ def default_run(example, tmp_path_factory):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_default_run_masks_tokens_on_the_real_engine(default_run):
-    from dapo_math.engine import resolve_vllm_cpu_dtype
+    from dppo_trl.backends.cpu.engine import resolve_engine_dtype
 
     trainer, out = default_run
-    engine_dtype = resolve_vllm_cpu_dtype("auto")[0]
+    engine_dtype = resolve_engine_dtype("auto")[0]
     assert str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) == f"torch.{engine_dtype}"
-    # The engine-dtype block leaves no process-wide patch behind for later trainers (DPPO's or TRL's) ...
-    assert not PATCH_STATE.applied
-    # ... while this trainer's engine keeps its reload-based weight sync, bound to the instance.
+    # The engine dtype came through the config; the trainer's engine keeps its reload-based weight sync, bound to
+    # the instance.
     assert "sync_weights" in vars(trainer.vllm_generation)
 
     logs = [e for e in trainer.state.log_history if "dppo/mask_ratio" in e]

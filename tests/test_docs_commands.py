@@ -69,6 +69,7 @@ DECISIONS = {
     "pip install dppo-trl[liger]": CannotRun("a PyPI install of Liger (CUDA only)"),
     "pip install .": CannotRun("an install into the user's environment; tests/test_package.py builds the same wheel"),
     "pip install -e .[test,examples]": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
+    "pip install --no-deps -e ./dev": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
     ".venv/bin/python benchmarks/step_time.py": Covered("tests/test_benchmarks.py"),
     ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/test_benchmarks.py"),

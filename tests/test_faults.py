@@ -20,7 +20,8 @@ WAIT = 600  # seconds: bound on any wait (a loaded shared machine is slow); the 
 
 
 def _env(**extra) -> dict:
-    paths = [ROOT, os.environ.get("PYTHONPATH", "")]
+    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
 
 
@@ -128,10 +129,10 @@ def test_colocate_patches_stay_inside_their_trainer(tiny_model_dir, tmp_path, ma
     from trainer_setup import byte_mean_reward, make_trainer, prompt_dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE, is_vllm_cpu_platform
+    from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
 
-    if not is_vllm_cpu_platform() or PATCH_STATE.applied:
-        pytest.skip("needs vLLM's CPU platform and no process-wide patch from an earlier test")
+    if not is_vllm_cpu_platform():
+        pytest.skip("needs vLLM's CPU platform")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = _trl_symbols()
     trainer = make_trainer(

@@ -12,12 +12,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import gpu_manifest  # scripts/ (pytest's pythonpath)
 import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_manifest  # noqa: E402
 
 
 def _pins() -> dict[str, str]:

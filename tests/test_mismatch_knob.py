@@ -6,19 +6,14 @@ reference-perturbed weights, so what the engine samples from is exactly the conf
 """
 
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks", "sanity"))
-
-from mismatch import (  # noqa: E402
+from mismatch import (  # benchmarks/sanity (pytest's pythonpath)
     EngineMismatch,
     WeightMismatch,
-    engine_overrides,
+    engine_config_fields,
     fake_quant_e4m3,
     fake_quant_int8,
     install_weight_mismatch,
@@ -26,6 +21,7 @@ from mismatch import (  # noqa: E402
     relative_noise,
 )
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 
 
@@ -76,22 +72,24 @@ def test_parse_level_splits_engine_and_weight_parts():
             parse_level(bad)
 
 
-def test_engine_overrides_restore_trl_llm_symbol():
-    """The override lives only while TRL builds the engine: no global state outlives the block, even on error.
+def test_engine_settings_reach_the_engine_through_the_config(tmp_path):
+    """The engine part of a level is a config field (`vllm_cpu_engine_kwargs`): nothing of TRL's is swapped for it,
+    and its arguments win over TRL's and the CPU defaults when the engine is built.
 
     (Its effect on a real engine is recorded per run: `run.py` stores the engine's own `cache_config.cache_dtype`.)
     """
-    import trl.generation.vllm_generation as vllm_generation
+    from dppo_trl import DPPOConfig
+    from dppo_trl.backends.cpu.engine import EngineOptions, cpu_llm_factory
 
-    original = vllm_generation.LLM
-    with engine_overrides(EngineMismatch()):
-        assert vllm_generation.LLM is original  # off: TRL's symbol untouched
-    with engine_overrides(EngineMismatch(kv_cache_dtype="fp8")):
-        assert vllm_generation.LLM is not original
-    assert vllm_generation.LLM is original
-    with pytest.raises(RuntimeError, match="boom"), engine_overrides(EngineMismatch(dtype="float16")):
-        raise RuntimeError("boom")
-    assert vllm_generation.LLM is original
+    assert engine_config_fields(EngineMismatch()) == {}
+    fields = engine_config_fields(EngineMismatch(kv_cache_dtype="fp8", dtype="float16"))
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)
+    options = EngineOptions.from_config(config)
+    assert options.extra == {"kv_cache_dtype": "fp8", "dtype": "float16"}
+    built = {}
+    cpu_llm_factory(lambda **kwargs: built.update(kwargs), options)(model="m", dtype="auto", max_num_seqs=4)
+    assert built["kv_cache_dtype"] == "fp8" and built["dtype"] == "float16" and built["max_num_seqs"] == 4
+    assert built["enforce_eager"] and built["kv_cache_memory_bytes"] == options.kv_cache_memory_bytes
 
 
 def test_int8_is_per_channel_symmetric_and_matches_reference():
@@ -155,12 +153,7 @@ def test_vectors_and_off_pass_through_untouched():
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer():
-    from dppo_trl.backends.cpu.vllm_cpu import (
-        PATCH_STATE,
-        is_vllm_cpu_platform,
-        patch_trl_vllm_for_cpu,
-        unpatch_trl_vllm_for_cpu,
-    )
+    from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
 
     if not is_vllm_cpu_platform():
         pytest.skip("needs the CPU build of vLLM")
@@ -173,8 +166,7 @@ def trainer():
     from dapo_math.rewards import accuracy_reward
     from dppo_trl import DPPOConfig, DPPOTrainer
 
-    already = PATCH_STATE.applied
-    patch_trl_vllm_for_cpu()  # fp32 engine: parity with the trainer to ~1e-7 when the knob is off
+    # DPPOConfig's default engine dtype is float32: parity with the trainer to ~1e-7 when the knob is off.
     with pytest.MonkeyPatch.context() as mp, __import__("tempfile").TemporaryDirectory() as tmp:
         mp.setenv("MASTER_ADDR", "127.0.0.1")
         mp.setenv("MASTER_PORT", str(get_free_port()))
@@ -204,8 +196,6 @@ def trainer():
             ),
             processing_class=AutoTokenizer.from_pretrained(MODEL),
         )
-    if not already:
-        unpatch_trl_vllm_for_cpu()
 
 
 def _sequences(trainer) -> list[list[int]]:

@@ -224,7 +224,7 @@ class _SnapshotAtTrainBegin:
 def test_shrunk_recipe_trains_and_evaluates(example, name, master_port, tmp_path, request):
     import torch
 
-    from dppo_trl.backends.cpu.vllm_cpu import is_vllm_cpu_platform
+    from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
 
     if not is_vllm_cpu_platform() and not torch.cuda.is_available():
         pytest.skip("needs vLLM (the CPU build on CPU machines)")

@@ -6,11 +6,9 @@ import sys
 from fractions import Fraction
 
 import pytest
+from stats import clopper_pearson, fisher_exact, holm, mean_se, wilson  # benchmarks/sanity (pytest's pythonpath)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks", "sanity"))
-
-from stats import clopper_pearson, fisher_exact, holm, mean_se, wilson  # noqa: E402
 
 
 def _fisher_reference(a: int, n_a: int, b: int, n_b: int) -> Fraction:

@@ -106,7 +106,11 @@ def test_dppo_fields_do_not_shadow_grpo_fields():
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
     shared = {f.name for f in dataclasses.fields(TrustRegionFields)}
     assert not shared & grpo
-    assert {f.name for f in dataclasses.fields(DPPOConfig)} - grpo == shared | {"vllm_server_request_timeout"}
+    assert {f.name for f in dataclasses.fields(DPPOConfig)} - grpo == shared | {
+        "vllm_server_request_timeout",
+        "vllm_cpu_dtype",
+        "vllm_cpu_engine_kwargs",
+    }
 
 
 def test_trainer_attributes_are_set_by_grpo_init():
@@ -183,10 +187,7 @@ def test_vllm_server_mode_contract():
     init_source = inspect.getsource(vllm_generation.VLLMGeneration._init_vllm)
     for fragment in trl_contract.VLLM_INIT_SERVER_FRAGMENTS:
         assert fragment in init_source, f"VLLMGeneration._init_vllm changed: missing {fragment!r}"
-    from dppo_trl.backends.cpu.vllm_cpu import PATCH_STATE
-
-    # TRL's own method, also when a colocate test earlier in this process swapped in the CPU colocate sync.
-    sync_source = inspect.getsource(PATCH_STATE.original_sync_weights or vllm_generation.VLLMGeneration.sync_weights)
+    sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
     for fragment in trl_contract.VLLM_SERVER_SYNC_FRAGMENTS:
         assert fragment in sync_source, f"VLLMGeneration.sync_weights changed: missing {fragment!r}"
     client_init = inspect.getsource(vllm_client.VLLMClient.__init__)
@@ -373,7 +374,7 @@ def test_async_packing_sample_worker_and_cpu_contract():
 
 def test_fault_handling_internals():
     """transformers' SIGTERM checkpointing and TRL's client session, as `dppo_trl/hardening/preemption.py` and
-    `dppo_trl/backends/cpu/vllm_cpu.py` use them."""
+    `dppo_trl/backends/cpu/` use them."""
     from transformers import trainer_jit_checkpoint
     from trl.generation import vllm_client
 

@@ -1,4 +1,6 @@
-"""Real vLLM (CPU build) inside TRL's colocate mode, with `patch_trl_vllm_for_cpu` applied.
+"""Real vLLM (CPU build) inside TRL's colocate mode: a plain `GRPOTrainer` built inside
+`trainer_construction_patches` (the engine's CPU settings) with `bind_colocate_weight_sync` on its engine, which is
+all `DPPOTrainer` does for the CPU runtime.
 
 Each trainer test starts one engine, trains a few GRPO steps and then checks that the engine's top-5 logprobs match
 the trained HF model, i.e. that the weight sync really moved the weights (untied, tied and LoRA models).
@@ -10,13 +12,10 @@ import math
 import pytest
 import torch
 
-from dppo_trl.backends.cpu.vllm_cpu import (
-    PATCH_STATE,
-    _colocate_sync_weights_via_reload,
-    is_vllm_cpu_platform,
-    patch_trl_vllm_for_cpu,
-    unpatch_trl_vllm_for_cpu,
-)
+from dppo_trl.backends.cpu.construction import trainer_construction_patches
+from dppo_trl.backends.cpu.engine import EngineOptions
+from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
+from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync, colocate_sync_weights
 
 pytestmark = [
     pytest.mark.vllm,
@@ -26,16 +25,6 @@ pytestmark = [
 PARITY_TOL = 1e-4  # fp32 engine vs fp32 HF model; measured ~5e-7
 STALE_MIN = 1e-3  # the trained model must have moved at least this far from the engine's stale weights
 PROMPTS = ["hello world", "The cat sat", "abc", "1 2 3 4"]
-
-
-@pytest.fixture(scope="module")
-def patched():
-    """Applies the CPU patch for this module and restores TRL afterwards if this module applied it."""
-    already = PATCH_STATE.applied
-    state = patch_trl_vllm_for_cpu()
-    yield state
-    if not already:
-        unpatch_trl_vllm_for_cpu()
 
 
 def byte_mean_reward(completions, **kwargs):
@@ -64,14 +53,16 @@ def _train(model_dir, tmp_path, peft_config=None, max_steps=2):
         vllm_mode="colocate",
         vllm_max_model_length=64,
     )
-    trainer = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=byte_mean_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        peft_config=peft_config,
-    )
+    with trainer_construction_patches(args.use_vllm, args.vllm_mode, EngineOptions()):
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=byte_mean_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            peft_config=peft_config,
+        )
+    assert bind_colocate_weight_sync(trainer.vllm_generation)
     trainer.train()
     return trainer
 
@@ -114,39 +105,36 @@ def _release(trainer):
     gc.collect()
 
 
-def test_patch_state_idempotent_and_reversible(patched):
-    import trl.generation.vllm_generation as vllm_generation
-    from vllm import LLM
-
-    assert patched is PATCH_STATE and patched.applied and not patched.forced
-    assert patched.llm_patched and patched.sync_weights_patched
-    assert patched.llm_defaults == {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20, "enforce_eager": True}
-    wrapped_llm = vllm_generation.LLM
-    assert wrapped_llm is not LLM and wrapped_llm.__wrapped__ is LLM
-    assert vllm_generation.VLLMGeneration.sync_weights is _colocate_sync_weights_via_reload
-    original_sync = patched.original_sync_weights
-    assert original_sync.__qualname__ == "VLLMGeneration.sync_weights"  # server mode delegates to it
-
-    patch_trl_vllm_for_cpu(dtype="bfloat16")  # second call: no double wrapping, defaults unchanged
-    assert vllm_generation.LLM is wrapped_llm and patched.llm_defaults["dtype"] == "float32"
-
-    unpatch_trl_vllm_for_cpu()
-    assert not PATCH_STATE.applied
-    assert vllm_generation.LLM is LLM and vllm_generation.VLLMGeneration.sync_weights is original_sync
-    patch_trl_vllm_for_cpu()
-    assert PATCH_STATE.applied and vllm_generation.LLM.__wrapped__ is LLM
-
-
-def test_sleep_mode_rejected(patched, tiny_model_dir):
+def test_construction_swaps_leave_trl_as_it_was():
+    """TRL's `LLM` carries the CPU engine settings only inside the block, nested blocks unwind in order, and an
+    error inside still restores TRL's symbol; `torch.set_num_threads` (which a colocated CPU engine replaces) too."""
     import trl.generation.vllm_generation as vllm_generation
 
-    with pytest.raises(ValueError, match="sleep mode"):
+    original, set_threads = vllm_generation.LLM, torch.set_num_threads
+    with trainer_construction_patches(True, "colocate", EngineOptions(dtype="bfloat16")):
+        outer = vllm_generation.LLM
+        assert outer is not original and outer.__wrapped__ is original
+        with trainer_construction_patches(True, "colocate"):
+            assert vllm_generation.LLM.__wrapped__ is outer
+        assert vllm_generation.LLM is outer
+    assert vllm_generation.LLM is original
+    with pytest.raises(RuntimeError, match="boom"), trainer_construction_patches(True, "colocate"):
+        raise RuntimeError("boom")
+    assert vllm_generation.LLM is original and torch.set_num_threads is set_threads
+    with trainer_construction_patches(False, "colocate"):
+        assert vllm_generation.LLM is original
+
+
+def test_sleep_mode_rejected(tiny_model_dir):
+    import trl.generation.vllm_generation as vllm_generation
+
+    with trainer_construction_patches(True, "colocate"), pytest.raises(ValueError, match="sleep mode"):
         vllm_generation.LLM(model=tiny_model_dir, enable_sleep_mode=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_tied_model_dir"])
-def test_colocate_trains_and_syncs(patched, master_port, model_fixture, request, tmp_path):
+def test_colocate_trains_and_syncs(master_port, model_fixture, request, tmp_path):
     model_dir = request.getfixturevalue(model_fixture)
     trainer = _train(model_dir, tmp_path)
     assert trainer.state.global_step == 2
@@ -158,18 +146,21 @@ def test_colocate_trains_and_syncs(patched, master_port, model_fixture, request,
     assert engine.model_config.logprobs_mode == "processed_logprobs"
     assert engine.vllm_config.cache_config.kv_cache_memory_bytes == 64 * 2**20
     assert trainer.model.config.tie_word_embeddings == (model_fixture == "tiny_tied_model_dir")
+    # Bound to this engine only: TRL's class keeps its own method.
+    assert trainer.vllm_generation.sync_weights.__func__ is colocate_sync_weights
+    assert type(trainer.vllm_generation).sync_weights is not colocate_sync_weights
 
     _assert_synced(trainer)
     if model_fixture == "tiny_model_dir":
         # Canary: TRL's own per-tensor sync still cannot write CPU-prepacked layers. If this starts passing, the
         # sync patch may no longer be needed for this vLLM version.
         with pytest.raises(AttributeError, match="weight_loader"):
-            PATCH_STATE.original_sync_weights(trainer.vllm_generation)
+            type(trainer.vllm_generation).sync_weights(trainer.vllm_generation)
     _release(trainer)
 
 
 @pytest.mark.slow
-def test_colocate_lora_syncs_merged_weights(patched, master_port, tiny_model_dir, tmp_path):
+def test_colocate_lora_syncs_merged_weights(master_port, tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
     trainer = _train(
@@ -189,7 +180,7 @@ def test_colocate_lora_syncs_merged_weights(patched, master_port, tiny_model_dir
 
 
 @pytest.mark.slow
-def test_colocate_moe_lora_on_experts_syncs(patched, master_port, vllm_groups_for_moe, tiny_moe_model_dir, tmp_path):
+def test_colocate_moe_lora_on_experts_syncs(master_port, vllm_groups_for_moe, tiny_moe_model_dir, tmp_path):
     # The Qwen3-30B-A3B recipe's shape: LoRA on attention and, via `target_parameters`, on the fused 3-D expert
     # weights. The sync pushes the merged fused tensors; vLLM's CPU MoE kernel needs them re-packed after each
     # reload (without that the engine's logprobs are off by several nats).

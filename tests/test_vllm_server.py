@@ -1,5 +1,5 @@
 """vLLM server mode on the CPU build, for real: `python -m dppo_trl.backends.cpu.vllm_server` in its own process, trainers on 1 and 2
-ranks syncing weights through `dppo_trl.backends.cpu.vllm_cpu`'s file path, and the shrunk multi-node server recipe.
+ranks syncing weights through `dppo_trl.backends.cpu.weight_sync`'s file path, and the shrunk multi-node server recipe.
 
 One server (the bundled tiny model, with an API key and `--max-logprobs 8`) serves the whole module: every trainer
 pushes its own weights before its first generation (`_last_loaded_step = -1`), so runs do not leak into each other.
@@ -36,7 +36,8 @@ FRESH_MISMATCH = 1e-4  # |π − μ| right after a sync, fp32 on both sides
 
 
 def _subprocess_env(**extra) -> dict:
-    paths = [ROOT, os.path.join(ROOT, "examples"), os.environ.get("PYTHONPATH", "")]
+    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
 
 
@@ -244,7 +245,7 @@ def test_worker_extension_is_what_the_launcher_names():
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from dppo_trl.backends.cpu.vllm_cpu import SERVER_RELOAD_METHOD, WeightReloadExtension
+    from dppo_trl.backends.cpu.weight_sync import SERVER_RELOAD_METHOD, WeightReloadExtension
 
     assert resolve_obj_by_qualname(WORKER_EXTENSION) is WeightReloadExtension
     assert callable(getattr(WeightReloadExtension, SERVER_RELOAD_METHOD))
@@ -259,7 +260,7 @@ def test_file_reload_refreshes_a_tied_head(tiny_tied_model_dir, master_port, mon
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from dppo_trl.backends.cpu.vllm_cpu import reload_server_weights_from_file
+    from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
 
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)

@@ -129,7 +129,7 @@ MODEL_CARD_TEMPLATE_FRAGMENTS = (
     "## Training procedure",
     "### Framework versions\n\n- TRL:",
 )
-# vLLM server mode on a CPU trainer (`dppo_trl/backends/cpu/vllm_cpu.py`, `dppo_trl/backends/cpu/vllm_server.py`). `_init_vllm` builds its
+# vLLM server mode on a CPU trainer (`dppo_trl/backends/cpu/server_client.py`, `dppo_trl/backends/cpu/vllm_server.py`). `_init_vllm` builds its
 # client through the module-level name `VLLMClient` (which DPPO swaps for a subclass), then calls `init_communicator`
 # with the trainer's device; `sync_weights` streams TRL's own parameter iterator into `update_named_params` on rank 0
 # (every rank iterates) and resets the prefix cache afterwards.
@@ -274,3 +274,14 @@ JIT_CHECKPOINT_FRAGMENTS = (
 )
 VLLM_CLIENT_RETRY_FRAGMENTS = ("HTTPAdapter(max_retries=retry_strategy", 'self.session.mount("http://", adapter)')
 VLLM_SYNC_CALL_FRAGMENT = "self.vllm_generation.sync_weights()"
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU runtime: the colocated engine's settings (`dppo_trl/backends/cpu/construction.py`, `engine.py`). Kept because
+# TRL offers no argument for them (docs/upstream.md, "CPU runtime"): `_init_vllm` builds the engine through the
+# module-level name `LLM` (swapped, while the trainer is built, for a factory adding `EngineOptions`), and its call
+# passes none of the arguments the CPU engine needs, so the factory's defaults apply (if TRL ever passes one, the
+# CPU default silently stops applying). `VLLMGeneration.__init__` takes no engine-kwargs parameter: when it gains
+# one, the swap can go.
+# ---------------------------------------------------------------------------------------------------------------------
+VLLM_INIT_COLOCATE_FRAGMENTS = ("self.llm = LLM(",)
+CPU_ENGINE_ARGUMENTS_TRL_DOES_NOT_PASS = ("dtype=", "kv_cache_memory_bytes=", "enforce_eager=")

@@ -27,10 +27,10 @@ import os
 import statistics
 import sys
 
+import run  # this folder's `run.py` (a script's folder is on its import path); sets up the offline environment
+from stats import clopper_pearson, fisher_exact, holm, mean_se
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import run  # noqa: E402  (sets up sys.path and the offline environment)
-from stats import clopper_pearson, fisher_exact, holm, mean_se  # noqa: E402
 
 METHODS = "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is"
 P4_RATIO = 0.7  # P4: DPPO reaches the accuracy threshold in at most this fraction of clip_higher's steps

@@ -22,14 +22,13 @@ another precision than the benchmark's bf16. A `--mismatch` level may combine bo
 
 Only matrices (ndim ≥ 2: linear layers, embeddings and the LM head) are perturbed, as weight-only quantization does;
 norm weights and biases pass through unchanged. The hook wraps the instance's `VLLMGeneration._iter_named_params`,
-the iterator every sync path consumes (TRL's own and `dppo_trl.backends.cpu.vllm_cpu`'s colocate reload), so nothing of TRL's sync
+the iterator every sync path consumes (TRL's own and `dppo_trl.backends.cpu.weight_sync`'s colocate reload), so nothing of TRL's sync
 code is copied and PEFT merging still happens before the perturbation. TRL starts `_last_loaded_step` at -1, so the
 first generation syncs (and perturbs) before it samples: the engine never samples from the unperturbed checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import zlib
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ __all__ = [
     "QUANTIZERS",
     "EngineMismatch",
     "WeightMismatch",
-    "engine_overrides",
+    "engine_config_fields",
     "fake_quant_e4m3",
     "fake_quant_int8",
     "install_weight_mismatch",
@@ -209,26 +208,7 @@ def parse_level(spec: str | None, seed: int = 0) -> tuple[WeightMismatch, Engine
     return WeightMismatch.parse("+".join(weight_parts), seed=seed), EngineMismatch(**engine)
 
 
-@contextlib.contextmanager
-def engine_overrides(engine: EngineMismatch):
-    """While active, every `vllm.LLM` that TRL's colocate backend builds gets `engine`'s arguments.
-
-    Wrap only the trainer's construction (that is where TRL builds the engine); the original symbol is restored on
-    exit, so no global state outlives the block.
-    """
-    if engine.off:
-        yield engine
-        return
-    import trl.generation.vllm_generation as vllm_generation
-
-    original = vllm_generation.LLM
-    overrides = engine.llm_kwargs()
-
-    def llm_with_overrides(*args, **kwargs):
-        return original(*args, **{**kwargs, **overrides})
-
-    vllm_generation.LLM = llm_with_overrides
-    try:
-        yield engine
-    finally:
-        vllm_generation.LLM = original
+def engine_config_fields(engine: EngineMismatch) -> dict:
+    """The `DPPOConfig` fields that give the trainer's engine `engine`'s settings (`vllm_cpu_engine_kwargs`, which
+    override the engine's other arguments); empty when the setting is off."""
+    return {} if engine.off else {"vllm_cpu_engine_kwargs": engine.llm_kwargs()}

@@ -21,7 +21,6 @@ See docs/results.md for the settings, the scaling and the reading.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -31,11 +30,9 @@ import tempfile
 import time
 from collections import Counter
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# `dppo_dev` (scaffolding, not installed) lives in the repository root, the recipe's `dapo_math` in `examples/`.
-sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "examples")]
+from dppo_dev.offline import set_offline_env
 
-from dppo_dev.offline import set_offline_env  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 set_offline_env()
 
@@ -76,8 +73,9 @@ def training_settings(args: argparse.Namespace) -> dict:
     """The DPPOConfig fields every run shares (the scaled-down §5 setting)."""
     return dict(
         use_cpu=True,
-        bf16=False,  # trainer in fp32; the engine samples in bf16 (see `worker`)
+        bf16=False,  # trainer in fp32; the engine samples in bf16 (the paper's mismatch)
         use_vllm=True,
+        vllm_cpu_dtype="bfloat16",
         vllm_mode="colocate",
         vllm_max_model_length=160,
         learning_rate=args.learning_rate,
@@ -205,25 +203,25 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
     dataset = load_dapo_math(args.data, split="train", max_samples=args.max_train_samples)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     mismatch = getattr(args, "mismatch", "none")
-    engine_settings = contextlib.nullcontext()
+    engine_fields: dict = {}
     weight_mismatch = None
     if mismatch != "none":
         # Research-only (see mismatch.py): the engine samples from perturbed copies of the trainer's weights and/or
         # computes differently (fp8 KV cache, another engine dtype); the engine part applies while TRL builds it.
-        from mismatch import engine_overrides, install_weight_mismatch, parse_level
+        from mismatch import engine_config_fields, install_weight_mismatch, parse_level
 
         weight_mismatch, engine_mismatch = parse_level(mismatch, seed=getattr(args, "mismatch_seed", 0))
-        engine_settings = engine_overrides(engine_mismatch)
+        engine_fields = engine_config_fields(engine_mismatch)
     with tempfile.TemporaryDirectory() as tmp:
-        config = DPPOConfig(output_dir=tmp, seed=seed, data_seed=seed, **training_settings(args), **METHODS[method])
-        with engine_settings:
-            trainer = DPPOTrainer(
-                model=args.model,
-                reward_funcs=[accuracy_reward],
-                args=config,
-                train_dataset=dataset,
-                processing_class=tokenizer,
-            )
+        settings = {**training_settings(args), **METHODS[method], **engine_fields}
+        config = DPPOConfig(output_dir=tmp, seed=seed, data_seed=seed, **settings)
+        trainer = DPPOTrainer(
+            model=args.model,
+            reward_funcs=[accuracy_reward],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
         stats = MaskedTokenStats(trainer, args.steps_per_generation)
         trainer.trust_region_observers.append(stats)
         if weight_mismatch is not None and not weight_mismatch.off:
@@ -260,10 +258,6 @@ def worker(spec_path: str) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from dppo_trl.backends.cpu.vllm_cpu import patch_trl_vllm_for_cpu
-
-    # Must precede the first trainer: the engine samples in bf16 while the trainer stays fp32 (the paper's mismatch).
-    patch_trl_vllm_for_cpu(dtype="bfloat16")
     failed = 0
     for job in spec["jobs"]:
         started = time.time()
@@ -771,8 +765,7 @@ def stdout_summary(out: dict, output_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-    from bench_env import emit_json, stdout_to_stderr
+    from dppo_dev.bench_env import emit_json, stdout_to_stderr
 
     # Tables and progress go to stderr (the tables also to `tables.md`); stdout is one JSON object.
     with stdout_to_stderr():

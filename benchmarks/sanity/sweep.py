@@ -33,14 +33,13 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import run  # noqa: E402  (sets up sys.path and the offline environment)
+import run  # this folder's `run.py` (a script's folder is on its import path); sets up the offline environment
+from mismatch import parse_level
 
+from dppo_dev.bench_env import load_average, machine_info, versions
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = run.REPO_ROOT
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-from bench_env import load_average, machine_info, versions  # noqa: E402
-from mismatch import parse_level  # noqa: E402
 
 DEFAULT_OUTPUT = os.path.join(HERE, "results", "mismatch_sweep")
 # Calibrated on examples/tiny_math_model (docs/results.md): the bf16 engine alone gives a fresh mean |π − μ| of
@@ -465,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     # Tables and progress go to stderr (the table also to `sweep.md`); stdout is one JSON object.
-    from bench_env import emit_json, stdout_to_stderr
+    from dppo_dev.bench_env import emit_json, stdout_to_stderr
 
     with stdout_to_stderr():
         result = main()

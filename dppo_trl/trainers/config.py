@@ -213,6 +213,25 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
         },
     )
 
+    # --- vLLM CPU engine (read by dppo_trl.backends.cpu.engine.EngineOptions.from_config; ignored off vLLM's CPU
+    # platform and outside colocate mode) ---
+    vllm_cpu_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype of the colocated vLLM engine on vLLM's CPU build: `float32` (default; the engine then "
+            "matches an fp32 trainer to ~1e-6), `bfloat16`, or `auto` (bfloat16 where the CPU has native bf16, "
+            "AVX512-BF16 or AMX, else float32). Ignored elsewhere.",
+            "choices": ["float32", "bfloat16", "auto"],
+        },
+    )
+    vllm_cpu_engine_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Further `vllm.LLM` arguments for the colocated engine on vLLM's CPU build (a dict, or its JSON "
+            'string), e.g. `{"kv_cache_dtype": "fp8"}`; they override every other engine argument. Ignored elsewhere.'
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._resolve_trust_region()

@@ -43,13 +43,11 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from dppo_trl.backends.cpu.vllm_cpu import (
-    bind_colocate_weight_sync,
-    bound_server_requests,
-    cpu_colocate_threads,
-    trainer_construction_patches,
-    trainer_cpu_threads,
-)
+from dppo_trl.backends.cpu.construction import trainer_construction_patches
+from dppo_trl.backends.cpu.engine import EngineOptions
+from dppo_trl.backends.cpu.http import bound_server_requests
+from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
+from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
 from dppo_trl.core.metrics import observer_record
@@ -155,7 +153,7 @@ class DPPOTrainer(GRPOTrainer):
         check_distributed_setup(config)
         # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
         # client with a file-based weight sync when the trainer's device is the CPU), then restored.
-        with trainer_construction_patches(config.use_vllm, config.vllm_mode):
+        with trainer_construction_patches(config.use_vllm, config.vllm_mode, EngineOptions.from_config(config)):
             super().__init__(*bound.args[1:], **bound.kwargs)
         # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
         # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).

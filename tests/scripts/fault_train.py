@@ -8,11 +8,8 @@ knows when to strike, and writes `{"global_step", "steps", "patches"}` to `--out
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for trainer_setup
-
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env()
 

@@ -8,12 +8,8 @@ Used by `tests/test_vllm_server.py`; writes rank 0's `log_history` (and the worl
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for trainer_setup
-
-from dppo_dev.offline import set_offline_env  # noqa: E402
+from dppo_dev.offline import set_offline_env
 
 set_offline_env()
 

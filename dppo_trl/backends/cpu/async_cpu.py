@@ -10,13 +10,13 @@ Two parts of TRL 1.16's asynchronous trainer need CUDA:
    then puts back whatever was registered before, so no global state is left behind.
 2. **Peak-FLOPs lookup.** `AsyncGRPOTrainer.__init__` asks `torch.cuda.get_device_name` for the device's peak FLOPs
    (for its MFU metric), which raises on a CPU-only torch. `cpu_peak_flops()` answers `None` (MFU off, as TRL does for
-   an unknown device) while its block runs.
+   an unknown device) while its block runs; TRL's function is put back on exit.
 
 A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_flops()` and trained inside
 `cpu_tree_attention()` (TRL's constructor registers its FA3 function, so the CPU one goes in afterwards), with
 `weight_transfer=FileWeightTransfer(...)`; `dppo_trl.AsyncDPPOTrainer` does all three itself.
 3. **NCCL weight transfer.** `FileWeightTransfer` implements TRL's `WeightTransferProtocol` with the file-based
-   reload CPU server mode already uses (`dppo_trl.backends.cpu.vllm_cpu.reload_server_weights_from_file`: a safetensors file in a
+   reload CPU server mode already uses (`dppo_trl.backends.cpu.weight_sync.reload_server_weights_from_file`: a safetensors file in a
    private temporary directory, reloaded by the server's `WeightReloadExtension` over `/collective_rpc`). The server
    is `python -m dppo_trl.backends.cpu.vllm_server` (processed log-probs, development endpoints, the worker extension).
 """
@@ -27,11 +27,14 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import requests
 import torch
 
-from dppo_trl.backends.cpu.vllm_cpu import API_KEY_ENV, reload_server_weights_from_file
+from dppo_trl.backends.cpu.construction import swapped_attribute
+from dppo_trl.backends.cpu.server_client import API_KEY_ENV
+from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
 
 __all__ = [
     "FileWeightTransfer",
@@ -136,12 +139,17 @@ def cpu_tree_attention() -> Iterator[None]:
 def cpu_peak_flops() -> Iterator[None]:
     """While the block runs, the async trainer's peak-FLOPs lookup returns `None` (MFU metrics off) instead of asking
     CUDA for a device name."""
-    from unittest import mock
-
     from trl.experimental.async_grpo import async_grpo_trainer
 
-    with mock.patch.object(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None):
+    # TRL's constructor looks the function up in its module's namespace and offers no argument to skip it, so the
+    # module symbol is swapped for the block (docs/upstream.md, "CPU runtime"; pinned in tests/trl_contract.py).
+    with swapped_attribute(async_grpo_trainer, "get_peak_flops_per_device", lambda _: _no_peak_flops):
         yield
+
+
+def _no_peak_flops(accelerator: Any, dtype: str) -> None:
+    # TRL's own answer for a device whose peak FLOPs it does not know: MFU metrics off.
+    return None
 
 
 def _no_mask(**kwargs) -> None:

@@ -6,9 +6,9 @@ client and DPPO need, and what the CPU backend needs:
 
 - `--logprobs-mode processed_logprobs --max-logprobs -1`: μ is the distribution the server sampled from
   (post-temperature), and top-K DPPO may ask for any K;
-- `VLLM_SERVER_DEV_MODE=1` and `--worker-extension-cls dppo_trl.backends.cpu.vllm_cpu.WeightReloadExtension`: the development
+- `VLLM_SERVER_DEV_MODE=1` and `--worker-extension-cls dppo_trl.backends.cpu.weight_sync.WeightReloadExtension`: the development
   endpoints (`/server_info`, `/collective_rpc`, `/reset_prefix_cache`) and the worker method through which a CPU
-  trainer reloads the server's weights from a file (see `dppo_trl.backends.cpu.vllm_cpu`);
+  trainer reloads the server's weights from a file (see `dppo_trl.backends.cpu.weight_sync`);
 - `--dtype float32 --enforce-eager` and a fixed KV cache (`--kv-cache-memory-bytes`): fp32 parity with the trainer,
   fast start-up, and no sizing of the cache against the machine's whole RAM.
 
@@ -41,8 +41,8 @@ __all__ = ["DEFAULT_KV_CACHE_BYTES", "WORKER_EXTENSION", "build_server_command",
 # vLLM's own OpenAI server entry point. `vllm serve` would be the same server, but its CLI fails on `vllm-cpu`.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
-# The server half of the CPU weight sync; defined in `dppo_trl.backends.cpu.vllm_cpu`, named here so the launcher imports no torch.
-WORKER_EXTENSION = "dppo_trl.backends.cpu.vllm_cpu.WeightReloadExtension"
+# The server half of the CPU weight sync; defined in `dppo_trl.backends.cpu.weight_sync`, named here so the launcher imports no torch.
+WORKER_EXTENSION = "dppo_trl.backends.cpu.weight_sync.WeightReloadExtension"
 # vLLM options the launcher fixes: DPPO's μ must be the processed (sampled-from) log-probs.
 # The worker extension carries the server side of the CPU weight sync.
 _FIXED_VLLM_FLAGS = ("--logprobs-mode", "--enforce-eager", "--worker-extension-cls")
