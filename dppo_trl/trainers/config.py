@@ -191,6 +191,14 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
             Server mode: seconds a request to the vLLM server may go unanswered before training stops with an error
             naming the server and the resume command. `None`: TRL's unbounded wait. See `docs/faults.md`.
 
+        > Parameters for vLLM's CPU build (ignored elsewhere)
+
+        vllm_cpu_dtype (`str`, *optional*, defaults to `"float32"`):
+            dtype of the colocated engine: `float32`, `bfloat16`, or `auto` (bfloat16 where the CPU has native bf16).
+        vllm_cpu_engine_kwargs (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            Further `vllm.LLM` arguments for the colocated engine (a dict or its JSON string), e.g.
+            `{"kv_cache_dtype": "fp8"}`; they override every other engine argument.
+
     Defaults that differ from `GRPOConfig`: `vllm_importance_sampling_correction=False`. GRPO's
     `epsilon`/`epsilon_high` clip is not used by DPPO (only by the `grpo_clip`-family ablations).
     """
