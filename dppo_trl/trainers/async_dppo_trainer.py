@@ -45,7 +45,12 @@ On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.a
 attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
 `python -m dppo_trl.backends.cpu.vllm_server`.
 
-Top-K divergences are refused: the worker requests only the sampled token's log-prob (`"logprobs": 0`).
+Top-K divergences (`topk_tv`, `topk_kl`): the trainer replaces TRL's worker, before it starts, by
+`dppo_trl.trainers.async_topk.TopKRolloutWorker` built with the same arguments, which asks the server for μ's top-K
+and hands the lists on with each sample; `SampleVersionQueue` carries them on the sample's `SampleMetrics` and
+`SampleVersionCollator` lays them out in the packed loss-term order (see that module). π at those ids comes from the
+final hidden states of TRL's one forward (`KeepForwardOutputs` hooks the backbone) through the chunked gather of
+`dppo_trl.kernels.topk_logps` (no `[N, V]` logits).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +74,15 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     TokenBudgetBatcher,
     _EmptyIterableDataset,
 )
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled
+from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
 from dppo_trl.trainers.config import TrustRegionFields
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 
@@ -106,10 +115,11 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
     `delta_low`, `delta_high`, `divergence_top_k`, `ratio_cap`, `mu_kl_coef`, `anchor`, `trust_region`, `relax_alpha`
     (see its docstring and docs/api.md).
 
+    Every divergence works asynchronously; the top-K ones ask the server for `divergence_top_k` log-probs per token
+    (the server's `--max-logprobs` must allow it; `python -m dppo_trl.backends.cpu.vllm_server` allows any).
+
     Asynchronous limits, refused at construction with the fix:
 
-    - `divergence` must be `binary_tv` or `binary_kl`: TRL's rollout worker asks the server for the sampled token's
-      log-prob only, so μ's top-K never reaches the trainer.
     - `anchor` must be `behavior`: the policy that sampled a stale sample is gone, so there is no π_old to recompute.
     - `trust_region` must not need π_old (`minirl`, `dppo_decoupled`), for the same reason.
 
@@ -120,12 +130,6 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         self._resolve_trust_region()
-        if self.divergence.startswith("topk_"):
-            raise ValueError(
-                f"divergence={self.divergence!r} needs μ's top-K log-probs, which TRL's asynchronous rollout worker "
-                "does not request (it asks the server for the sampled token's log-prob only). Use "
-                "divergence='binary_tv' or divergence='binary_kl' with AsyncDPPOTrainer, or DPPOTrainer for top-K."
-            )
         if self.anchor != "behavior":
             raise ValueError(
                 f"anchor={self.anchor!r} is not available asynchronously: a sample can be up to `max_staleness` "
@@ -141,27 +145,38 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
 
 
 class SampleMetrics(dict):
-    """A rollout sample's `metrics` (same items) that also records the policy version which sampled the sample.
+    """A rollout sample's `metrics` (same items) that also carries what TRL's queue dataset drops: the policy version
+    which sampled the sample and, for the top-K divergences, μ's top-K of its trained tokens (`(ids, logps)`, each
+    `(n, K + 1)`, or `None`).
 
-    The version is an attribute, not an item: TRL's collator averages every item of `metrics` into the logged
-    metrics and its trace logger copies them, so an item would leak into both.
+    Both are attributes, not items: TRL's collator averages every item of `metrics` into the logged metrics and its
+    trace logger copies them, so an item would leak into both.
     """
 
-    def __init__(self, metrics: dict[str, float], model_version: int):
+    def __init__(
+        self,
+        metrics: dict[str, float],
+        model_version: int,
+        behavior_topk: tuple[Any, Any] | None = None,
+    ):
         super().__init__(metrics)
         self.model_version = int(model_version)
+        self.behavior_topk = behavior_topk
 
 
 class SampleVersionQueue:
     """The rollout queue as TRL's `RolloutQueueDataset` reads it (`get(timeout=...)`, `qsize()`), handing out each
-    sample with its `metrics` as `SampleMetrics` (a copy of the sample: the worker's object is not touched)."""
+    sample with its `metrics` as `SampleMetrics` (a copy of the sample: the worker's object is not touched). A
+    `TopKRolloutSample`'s lists go along."""
 
     def __init__(self, queue: Any):
         self.queue = queue
 
     def get(self, timeout: float | None = None) -> Any:
         sample = self.queue.get(timeout=timeout)
-        return dataclasses.replace(sample, metrics=SampleMetrics(sample.metrics, sample.model_version))
+        topk_ids = getattr(sample, "topk_ids", None)
+        topk = None if topk_ids is None else (topk_ids, sample.topk_logps)
+        return dataclasses.replace(sample, metrics=SampleMetrics(sample.metrics, sample.model_version, topk))
 
     def qsize(self) -> int:
         return self.queue.qsize()
@@ -186,22 +201,37 @@ def sample_versions(rows: list[Any]) -> torch.Tensor:
 
 @dataclass
 class SampleVersionCollator(DataCollatorForRollout):
-    """TRL's rollout collator, plus `batch[SAMPLE_VERSION]` (`sample_versions` of the micro-batch's rows)."""
+    """TRL's rollout collator, plus `batch[SAMPLE_VERSION]` (`sample_versions` of the micro-batch's rows) and, when
+    the samples carry μ's top-K, `batch[BEHAVIOR_TOPK_IDS]` / `batch[BEHAVIOR_TOPK_LOGPS]` (`async_topk.behavior_topk`:
+    `(rows, loss terms, K + 1)` in `token_index` order)."""
 
     def torch_call(self, examples: list[Any]) -> dict[str, Any]:
         batch = super().torch_call(examples)
         (rows,) = examples  # one planner item per batch: the micro-batch's rows, one per process
         batch[SAMPLE_VERSION] = sample_versions(rows)
+        topk = behavior_topk([row.samples for row in rows], batch)
+        if topk is not None:
+            batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS] = topk
         return batch
 
 
 class KeepForwardOutputs:
     """The model as `AsyncGRPOTrainer.compute_loss` calls it, keeping the outputs of that one call (TRL's fused LM head:
-    per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss."""
+    per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss.
 
-    def __init__(self, model: Any):
+    With `backbone` (the decoder the fused head projects), also keeps its final hidden states, detached (`hidden`,
+    `(1, N, H)`), for π at μ's top-K ids.
+    """
+
+    def __init__(self, model: Any, backbone: torch.nn.Module | None = None):
         self.model = model
+        self.backbone = backbone
         self.outputs: Any = None
+        self.hidden: torch.Tensor | None = None
+
+    def _keep_hidden(self, _module, _inputs, output) -> None:
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        self.hidden = hidden.detach()
 
     def __call__(self, *args, **kwargs):
         if self.outputs is not None:
@@ -209,7 +239,12 @@ class KeepForwardOutputs:
                 "AsyncGRPOTrainer.compute_loss called the model twice; AsyncDPPOTrainer expects one forward per loss "
                 "call (see tests/trl_contract.py)."
             )
-        self.outputs = self.model(*args, **kwargs)
+        handle = self.backbone.register_forward_hook(self._keep_hidden) if self.backbone is not None else None
+        try:
+            self.outputs = self.model(*args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
         return self.outputs
 
 
@@ -238,6 +273,11 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        if args.uses_top_k and type(self.rollout_worker) is AsyncRolloutWorker:
+            # TRL built its own worker (none was passed) and starts it on train begin: run the same worker with the
+            # loop that also asks for μ's top-K. A worker passed in must push `TopKRolloutSample`s itself.
+            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, args.divergence_top_k)
+            self.rollout_queue = self.rollout_worker.rollout_buffer
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
@@ -288,12 +328,21 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus DPPO's
         term on that forward's log-probs."""
-        forward = KeepForwardOutputs(model)
+        wants_topk = self.args.uses_top_k
+        if wants_topk and BEHAVIOR_TOPK_IDS not in inputs:
+            raise RuntimeError(
+                f"divergence={self.args.divergence!r} needs μ's top-K, but the batch's samples carry none: the rollout "
+                "worker must push `dppo_trl.trainers.async_topk.TopKRolloutSample`s (AsyncDPPOTrainer's own worker "
+                "does; a `rollout_worker` passed in must too)."
+            )
+        forward = KeepForwardOutputs(model, self._backbone(model) if wants_topk else None)
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
         attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
         with attention:
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
         loss_inputs = self._loss_inputs(inputs, forward.outputs, self._policy_version())
+        if wants_topk:
+            loss_inputs = self._with_topk(loss_inputs, inputs, forward.hidden, model)
         return trl_loss + self._trust_region_loss(loss_inputs, inputs)
 
     def _loss_inputs(self, inputs: dict[str, Any], outputs: Any, policy_version: int) -> LossInputs:
@@ -316,6 +365,38 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             staleness=staleness,
         )
 
+    def _with_topk(self, loss_inputs: LossInputs, inputs: dict[str, Any], hidden: torch.Tensor | None, model):
+        """`loss_inputs` with π and μ over TopK(μ) ∪ {y} of each loss term: μ's lists from the batch, π's at the same ids
+        from the forward's final hidden states through `logps_at_ids_from_sampled` (no `[N, V]` logits)."""
+        if hidden is None:
+            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
+        selected = inputs["token_index"] >= 0
+        ids = inputs[BEHAVIOR_TOPK_IDS][selected]
+        mu_topk = inputs[BEHAVIOR_TOPK_LOGPS][selected].float()
+        valid = loss_inputs.valid
+        lm = _causal_lm(self.accelerator.unwrap_model(model))
+        head = lm.get_output_embeddings()
+        # FSDP2 shards the head as DTensors; the gather needs the full rows (as TRL's fused head does).
+        weight, bias = (_full(p) for p in (head.weight, getattr(head, "bias", None)))
+        pi_topk = torch.full_like(mu_topk, -math.inf)
+        rows = hidden.reshape(-1, hidden.shape[-1])[inputs["token_index"][selected]][valid]
+        pi_topk[valid] = logps_at_ids_from_sampled(
+            rows,
+            weight,
+            ids[valid],
+            ids[valid][:, 0],
+            loss_inputs.pi_logps.detach()[valid],
+            bias=bias,
+            transform=LogitTransform.from_model_config(lm.config, temperature=self.temperature),
+        )
+        # Terms whose μ is invalid must not leak into the divergence: both sides get identical padding.
+        mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
+        return dataclasses.replace(loss_inputs, pi_topk_logps=pi_topk, mu_topk_logps=mu_topk)
+
+    def _backbone(self, model) -> torch.nn.Module:
+        """The decoder whose output TRL's fused head projects (`PreTrainedModel.base_model`, under PEFT too)."""
+        return _causal_lm(self.accelerator.unwrap_model(model)).base_model
+
     def _trust_region_loss(self, loss_inputs: LossInputs, inputs: dict[str, Any]) -> torch.Tensor:
         """DPPO's per-token terms summed and scaled as `AsyncGRPOTrainer.compute_loss` scales its policy term: by the
         tokens per process (`global_n_tokens / num_processes`), then by gradient accumulation. Logs `dppo/*`."""
@@ -336,3 +417,12 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             version = int(broadcast_object_list([self.model_version], from_process=0)[0])
             read = self._policy_version_read = (self.state, self.state.global_step, version)
         return read[2]
+
+
+def _causal_lm(model):
+    """The `PreTrainedModel` carrying the LM head (under PEFT, the wrapped base model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _full(param):
+    return param.full_tensor() if param is not None and hasattr(param, "full_tensor") else param
