@@ -25,7 +25,7 @@ change that removes it is in docs/upstream.md):
 4. GRPOTrainer runs a no-grad π_old pass whenever generation and optimisation are misaligned; DPPO anchors on μ, so
    `_get_per_token_logps_and_entropies` declines that pass (`_decline_old_pass`) instead of paying a forward.
 
-`tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
+`tests/integration/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
 """
 
 from __future__ import annotations
