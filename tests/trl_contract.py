@@ -35,17 +35,14 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
 # (dppo_trl/trainers/dppo_trainer.py). Removed by: a per-token weight hook that receives the batch (docs/upstream.md).
 STATIC_METHODS = ("get_off_policy_mask",)
 
-# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
+# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__` (everything else it reads from the public
+# config, `self.args`): the clip it opens and the threshold that makes TRL call its mask hook (seam 2), TRL's metric
+# sink, and transformers' accumulation counter the μ-KL aggregation scales by.
 TRAINER_ATTRIBUTES = (
     "epsilon_low",
     "epsilon_high",
     "off_policy_mask_threshold",
     "_metrics",
-    "use_vllm",
-    "vllm_mode",
-    "temperature",
-    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.core.loss.aggregate_per_token_loss)
-    "max_completion_length",
     "current_gradient_accumulation_steps",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
@@ -171,7 +168,6 @@ OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
     "old_per_token_logps = None",
 )
 OLD_LOGPS_PASS = "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies("
-OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
 # `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
 # (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).
 LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
