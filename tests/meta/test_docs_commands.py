@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
 OUTPUT_OPTIONS = ("--output-dir", "--output_dir")
@@ -59,7 +59,9 @@ DECISIONS = {
     "bash scripts/setup.sh && .venv/bin/accelerate launch examples/train_dapo_math.py": Run(
         (*TRAIN_SHRINK, "--output_dir", "outputs/tiny-math-dppo")  # the script's default output folder
     ),
-    "bash scripts/setup.sh && .venv/bin/python -m pytest -q": CannotRun("the whole suite, this test among it"),
+    "bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q": CannotRun(
+        "the whole suite, this test among it"
+    ),
     ".venv/bin/python examples/train_dapo_math.py --trust_region grpo_clip --output_dir outputs/tiny-math-grpo-clip": Run(
         TRAIN_SHRINK
     ),
@@ -67,12 +69,14 @@ DECISIONS = {
     "pip install dppo-trl": CannotRun("a PyPI install into the user's environment (not released yet)"),
     "pip install dppo-trl[vllm]": CannotRun("a PyPI install of CUDA vLLM (GPU)"),
     "pip install dppo-trl[liger]": CannotRun("a PyPI install of Liger (CUDA only)"),
-    "pip install .": CannotRun("an install into the user's environment; tests/test_package.py builds the same wheel"),
+    "pip install .": CannotRun(
+        "an install into the user's environment; tests/meta/test_package.py builds the same wheel"
+    ),
     "pip install -e .[test,examples]": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
     "pip install --no-deps -e ./dev": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
-    ".venv/bin/python benchmarks/step_time.py": Covered("tests/test_benchmarks.py"),
-    ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/test_benchmarks.py"),
-    ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/step_time.py": Covered("tests/system/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/system/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/system/test_benchmarks.py"),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")
@@ -80,7 +84,7 @@ DECISIONS = {
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1 "
     "--resume_from_checkpoint latest": Run((*TRAIN_SHRINK, "--save_steps", "2")),
     ".venv/bin/python examples/train_dapo_math.py --output_dir outputs/tiny-math-dppo-python": Covered(
-        "tests/test_default_run.py"
+        "tests/system/test_default_run.py"
     ),
     "accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py "
     "--config examples/recipes/qwen3_8b_base_dapo_math.yaml": CannotRun(GPU),
@@ -98,24 +102,24 @@ DECISIONS = {
         ("--dry-run",)
     ),
     ".venv/bin/python examples/train_dapo_math.py --use_vllm --vllm_mode server --vllm_server_host 127.0.0.1 "
-    "--vllm_server_port 8000 --output_dir outputs/tiny-math-server": Covered("tests/test_vllm_server.py"),
+    "--vllm_server_port 8000 --output_dir outputs/tiny-math-server": Covered("tests/system/test_vllm_server.py"),
     ".venv/bin/torchrun --nproc_per_node 2 --master_port 29511 examples/train_dapo_math.py --use_vllm --vllm_mode "
     "server --vllm_server_host 127.0.0.1 --vllm_server_port 8000 --output_dir outputs/tiny-math-server-2ranks": Covered(
-        "tests/test_vllm_server.py"
+        "tests/system/test_vllm_server.py"
     ),
     ".venv/bin/torchrun --nproc_per_node 2 --master_port 29601 examples/train_dapo_math.py "
-    "--output_dir outputs/tiny-math-ddp-torchrun": Covered("tests/test_multiprocess.py"),
+    "--output_dir outputs/tiny-math-ddp-torchrun": Covered("tests/system/test_multiprocess.py"),
     ".venv/bin/accelerate launch --multi_gpu --num_processes 2 --main_process_port 29601 examples/train_dapo_math.py "
-    "--output_dir outputs/tiny-math-ddp-accelerate": Covered("tests/test_multiprocess.py"),
+    "--output_dir outputs/tiny-math-ddp-accelerate": Covered("tests/system/test_multiprocess.py"),
     ".venv/bin/accelerate launch --config_file examples/recipes/accelerate/zero3_cpu.yaml --main_process_port 29601 "
     "examples/train_dapo_math.py --use_cpu false --ddp_backend gloo --output_dir outputs/tiny-math-zero3": Covered(
-        "tests/test_multiprocess.py"
+        "tests/system/test_multiprocess.py"
     ),
     "scripts/gpu_wheels.sh [DIR] [--python 3.12]": CannotRun(
-        "downloads the GPU machine's wheels from PyPI (network); tests/test_gpu_check.py checks the script offline"
+        "downloads the GPU machine's wheels from PyPI (network); tests/system/test_gpu_check.py checks the script offline"
     ),
     "scripts/gpu_check.sh OUT_DIR": CannotRun("GPU-only: installs the wheels and runs the CUDA checks"),
-    "scripts/gpu_check.sh --dry-run OUT_DIR": Covered("tests/test_gpu_check.py"),
+    "scripts/gpu_check.sh --dry-run OUT_DIR": Covered("tests/system/test_gpu_check.py"),
     # docs/results.md
     ".venv/bin/python benchmarks/sanity/run.py --output-dir benchmarks/sanity/results": CannotRun(
         "about 10 minutes on 2 cores (the committed results); its --quick form is run below"
@@ -123,11 +127,11 @@ DECISIONS = {
     ".venv/bin/python benchmarks/sanity/run.py --learning-rate 2e-3 --steps 96 --output-dir "
     "benchmarks/sanity/results/lr2e-3": Run(("--quick",)),
     ".venv/bin/python benchmarks/sanity/run.py --quick --output-dir /tmp/sanity-quick": Covered(
-        "tests/test_sanity_benchmark.py"
+        "tests/system/test_sanity_benchmark.py"
     ),
     ".venv/bin/python benchmarks/sanity/sweep.py": CannotRun("hours: 7 methods x 4 mismatch levels x 3 seeds"),
     ".venv/bin/python benchmarks/sanity/sweep.py --quick --output-dir /tmp/sweep": Covered(
-        "tests/test_mismatch_sweep.py"
+        "tests/system/test_mismatch_sweep.py"
     ),
     ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods "
     "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is --seeds 5,6,7,8,9,10,11,12,13,14,15,16,17,18,19 --output-dir "
@@ -150,7 +154,7 @@ DECISIONS = {
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
     ),
     # docs/topk_memory.md
-    ".venv/bin/python -m pytest tests/test_topk_logps.py -q": Run(("--collect-only",)),
+    ".venv/bin/python -m pytest tests/unit/test_topk_logps.py -q": Run(("--collect-only",)),
     ".venv/bin/python benchmarks/topk_memory.py": Run(TOPK_SHRINK),
     ".venv/bin/python benchmarks/topk_memory.py --frozen-weight": Run(TOPK_SHRINK),
     ".venv/bin/python benchmarks/topk_memory.py --n-tokens 4096 --variants naive,topk_fused,binary_fused": Run(

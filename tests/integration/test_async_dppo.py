@@ -23,7 +23,7 @@ from trainer_setup import PROMPTS, byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention, tree_attention_cpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 SERVER_START_TIMEOUT = 900
 FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides

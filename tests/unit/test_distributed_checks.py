@@ -1,6 +1,6 @@
 """Launch checks (`dppo_trl.hardening.distributed`): launches accelerate would silently run as something else fail early.
 
-The real launches these errors describe are exercised in `tests/test_multiprocess.py`; here the inputs are passed
+The real launches these errors describe are exercised in `tests/system/test_multiprocess.py`; here the inputs are passed
 explicitly so each case runs in one process.
 """
 

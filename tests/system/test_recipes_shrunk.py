@@ -19,7 +19,7 @@ import os
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES_DIR = os.path.join(ROOT, "examples", "recipes")
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 TINY_TRAIN = os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")
@@ -33,8 +33,8 @@ SHRUNK_RECIPES = {
 }
 # Recipes not run by this module, and where they are covered.
 NOT_RUN_HERE = {
-    "qwen3_8b_base_dapo_math_server.yaml": "covered by tests/test_vllm_server.py (needs the server launcher)",
-    "tiny_math_cpu.yaml": "the CPU default (no arguments); covered by tests/test_dapo_example.py",
+    "qwen3_8b_base_dapo_math_server.yaml": "covered by tests/system/test_vllm_server.py (needs the server launcher)",
+    "tiny_math_cpu.yaml": "the CPU default (no arguments); covered by tests/system/test_dapo_example.py",
 }
 
 # What a CPU cannot run, and why. Applied only where a recipe sets the key to something else.

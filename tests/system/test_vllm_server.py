@@ -25,7 +25,7 @@ from trainer_setup import byte_mean_reward, logged, make_trainer
 from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION, build_server_command
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 SERVER_RECIPE = os.path.join(ROOT, "examples", "recipes", "qwen3_8b_base_dapo_math_server.yaml")
 TRAIN_SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_vllm_server.py")

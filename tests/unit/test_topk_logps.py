@@ -418,7 +418,7 @@ def test_benchmark_variants_agree():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "topk_memory.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "topk_memory.py"
     spec = importlib.util.spec_from_file_location("topk_memory_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -5,7 +5,7 @@ Two real vLLM colocate trainers serve the module (binary without a reference mod
 the GA / `steps_per_generation` / `num_iterations` shape on the trainer (the parent reads them when it generates) and
 calls `_generate_and_score_completions` on one generation batch. "Before" is the same call with the skip turned off.
 The ablations that need π_old are reached on the binary trainer by setting `anchor` / `trust_region` on its config:
-nothing `__init__` builds depends on them for a binary divergence. Server mode is in `tests/test_vllm_server.py`.
+nothing `__init__` builds depends on them for a binary divergence. Server mode is in `tests/system/test_vllm_server.py`.
 """
 
 import pytest

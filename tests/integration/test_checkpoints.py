@@ -161,7 +161,7 @@ def test_two_ranks_write_into_the_staged_checkpoint_before_it_is_renamed(tiny_mo
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "out"
     script = tmp_path / "train.py"
     script.write_text(_DDP_SCRIPT.format(model=tiny_model_dir, out=str(out)))

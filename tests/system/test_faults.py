@@ -14,7 +14,7 @@ import pytest
 from dppo_trl.hardening.checkpoints import checkpoint_step, scan_checkpoints
 from dppo_trl.hardening.preemption import PREEMPTED_EXIT_CODE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
 WAIT = 600  # seconds: bound on any wait (a loaded shared machine is slow); the runs finish far sooner
 

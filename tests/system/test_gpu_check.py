@@ -16,7 +16,7 @@ import gpu_manifest  # scripts/ (pytest's pythonpath)
 import pytest
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pins() -> dict[str, str]:

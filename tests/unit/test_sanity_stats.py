@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from stats import clopper_pearson, fisher_exact, holm, mean_se, wilson  # benchmarks/sanity (pytest's pythonpath)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _fisher_reference(a: int, n_a: int, b: int, n_b: int) -> Fraction:

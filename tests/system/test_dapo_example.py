@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "recipes", "*.yaml")))
 GPU_RECIPES = [r for r in RECIPES if not os.path.basename(r).startswith("tiny")]
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
@@ -150,7 +150,7 @@ def test_plot_with_nothing_to_plot(example, tmp_path):
 @pytest.fixture(scope="module")
 def short_run(example, tmp_path_factory):
     """Two optimizer steps of the no-argument recipe on transformers generation (one rollout per step), with a small
-    evaluation every step. The default vLLM path is run by tests/test_default_run.py."""
+    evaluation every step. The default vLLM path is run by tests/system/test_default_run.py."""
     if not os.path.exists(os.path.join(TINY_MODEL, "config.json")):
         pytest.skip("bundled tiny model missing: run scripts/make_tiny_math_model.py")
     out = str(tmp_path_factory.mktemp("dapo_run"))

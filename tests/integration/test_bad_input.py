@@ -14,7 +14,7 @@ from trainer_setup import ascii_reward, make_trainer, prompt_dataset, small_conf
 from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

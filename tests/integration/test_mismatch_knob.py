@@ -21,7 +21,7 @@ from mismatch import (  # benchmarks/sanity (pytest's pythonpath)
     relative_noise,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = os.path.join(REPO_ROOT, "benchmarks", "sanity", "run.py")
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ruff() -> list[str]:
@@ -35,8 +35,8 @@ def test_no_test_asserts_a_measured_time():
         r"|\b(t|dt|elapsed)\s*(>|>=|<|<=)\s*[-0-9.]"
     )
     offenders = [
-        f"{path.name}:{number}: {line.strip()}"
-        for path in sorted((ROOT / "tests").glob("*.py"))
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if line.lstrip().startswith("assert") and timed.search(line)
     ]

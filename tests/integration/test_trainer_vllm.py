@@ -115,7 +115,7 @@ def test_mu_is_the_engine_sampled_logprob(tiny_model_dir, tmp_path, master_port,
 
     assert len(engine_calls) == 1 and len(batches) == 2
     # An optimizer step falls between generation and the second loss batch, so TRL would compute π_old (one pass);
-    # DPPO skips it (tests/test_no_old_logps.py) and anchors on the engine's μ, as the token-by-token check proves.
+    # DPPO skips it (tests/integration/test_no_old_logps.py) and anchors on the engine's μ, as the token-by-token check proves.
     assert passes == []
     batch = {
         k: torch.cat([b[k] for b in batches])

@@ -240,5 +240,5 @@ def test_register_trust_region_adds_one_entry_with_the_same_signature():
 def test_docs_api_lists_the_registry():
     from pathlib import Path
 
-    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
     assert trust_region_table() in api, "docs/api.md's trust-region table is out of date: paste trust_region_table()"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import get_free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "scripts" / "multiprocess_train.py"
 ZERO3_CPU = REPO / "examples" / "recipes" / "accelerate" / "zero3_cpu.yaml"
 WORLD = 2

@@ -17,7 +17,7 @@ from dppo_dev.tiny_models import build_byte_tokenizer
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.trainers.config import SUPPORTED_LOSS_TYPES
 
-API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 # --- environment_factory without a `prompt` column ---------------------------------------------------------------
@@ -88,7 +88,7 @@ def _config(tmp_path, **kwargs) -> DPPOConfig:
 
 # --- luspo --------------------------------------------------------------------------------------------------------
 def test_luspo_is_the_token_level_seq_mean_token_sum(tmp_path):
-    """Supported as TRL's loss code computes it for a per-token term (`tests/test_loss_gradient.py` checks its gradient
+    """Supported as TRL's loss code computes it for a per-token term (`tests/integration/test_loss_gradient.py` checks its gradient
     against eq. 11 aggregated as sum over tokens, mean over completions); GSPO's sequence level stays refused."""
     assert _config(tmp_path, loss_type="luspo").importance_sampling_level == "token"
     with pytest.raises(ValueError, match="loss_type='luspo' then aggregates .* seq-mean-token-sum"):

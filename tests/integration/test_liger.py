@@ -24,7 +24,7 @@ def test_trl_routes_no_loss_through_liger():
 
 def test_refused_without_cuda(tiny_model_dir, tmp_path):
     """The config builds anywhere (a GPU config can be prepared on CPU); the trainer refuses a non-CUDA device, after
-    GRPOTrainer's own checks (their order is tested in tests/test_drop_in.py)."""
+    GRPOTrainer's own checks (their order is tested in tests/integration/test_drop_in.py)."""
     from trainer_setup import make_trainer
 
     assert DPPOConfig(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True).use_liger_kernel

@@ -9,7 +9,7 @@ import pytest
 
 from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 
 

@@ -40,7 +40,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "dppo_trl"
 DIST_NAME = "dppo-trl"
 # Files every sdist must carry besides the package.

@@ -98,7 +98,9 @@ def test_aime_question_column_and_dapo_schema_eval(tmp_path, dapo_rows):
 
 
 def test_bundled_tiny_math_files():
-    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "data", "tiny_math")
+    root = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "data", "tiny_math"
+    )
     train = load_dapo_math(os.path.join(root, "train.jsonl"))
     test = load_dapo_math(os.path.join(root, "test.jsonl"))
     assert len(train) == 302 and len(test) == 53
