@@ -26,7 +26,7 @@ from dppo_dev.tiny_agent import (
     split_problems,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_DIR = os.path.join(ROOT, "examples", "tiny_agent_model")
 DATA_DIR = os.path.join(ROOT, "examples", "data", "tiny_agent")
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 47, "b": 38}}\n</tool_call>'
