@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_wheels.sh [DIR] [--python 3.12]      # run where pip reaches PyPI; PYTHON picks the pip to use
 #
-# Not verified on a GPU: written and dry-run checked (tests/test_gpu_check.py) on a CPU-only machine.
+# Not verified on a GPU: written and dry-run checked (tests/system/test_gpu_check.py) on a CPU-only machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

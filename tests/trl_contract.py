@@ -1,9 +1,9 @@
 """Every TRL internal dppo-trl relies on, in one place.
 
-`tests/test_trl_contract.py` checks each entry against the installed TRL, so an upgrade that renames, re-signs or
+`tests/meta/test_trl_contract.py` checks each entry against the installed TRL, so an upgrade that renames, re-signs or
 re-shapes one of them fails loudly instead of silently turning DPPO into something else. Behavioral parts of the
 contract (the gradient DPPOTrainer obtains through GRPOTrainer's loss, the keys of the generation batch, batch-major
-keys surviving TRL's shuffle/split) are covered by `tests/test_loss_gradient.py` and `tests/test_trainer_*.py`.
+keys surviving TRL's shuffle/split) are covered by `tests/integration/test_loss_gradient.py` and `tests/test_trainer_*.py`.
 """
 
 from __future__ import annotations
@@ -35,17 +35,14 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
 # (dppo_trl/trainers/dppo_trainer.py). Removed by: a per-token weight hook that receives the batch (docs/upstream.md).
 STATIC_METHODS = ("get_off_policy_mask",)
 
-# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__`.
+# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__` (everything else it reads from the public
+# config, `self.args`): the clip it opens and the threshold that makes TRL call its mask hook (seam 2), TRL's metric
+# sink, and transformers' accumulation counter the μ-KL aggregation scales by.
 TRAINER_ATTRIBUTES = (
     "epsilon_low",
     "epsilon_high",
     "off_policy_mask_threshold",
     "_metrics",
-    "use_vllm",
-    "vllm_mode",
-    "temperature",
-    "loss_type",  # the μ-KL term is aggregated like the policy term (dppo_trl.core.loss.aggregate_per_token_loss)
-    "max_completion_length",
     "current_gradient_accumulation_steps",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
@@ -61,7 +58,7 @@ COMPUTE_LOSS_FRAGMENTS = (
     "if advantages.dim() == 1:",
 )
 # GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.loss.aggregate_per_token_loss` reproduces for the
-# μ-KL term (behaviourally pinned by tests/test_mu_kl.py with one process; these pin the multi-process scaling too).
+# μ-KL term (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
     "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
@@ -171,7 +168,6 @@ OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
     "old_per_token_logps = None",
 )
 OLD_LOGPS_PASS = "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies("
-OLD_LOGPS_TRAINER_ATTRIBUTES = ("num_iterations", "rollout_func", "vllm_importance_sampling_correction")
 # `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
 # (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).
 LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
@@ -190,7 +186,7 @@ LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_co
 # ---------------------------------------------------------------------------------------------------------------------
 ASYNC_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 # Each entry: what AsyncDPPOTrainer relies on, why, and (→) the TRL change that removes it (docs/upstream.md).
-# Behaviour, not source, pins the rest: tests/test_async_dppo.py checks the gradient against TRL's real loss (the
+# Behaviour, not source, pins the rest: tests/integration/test_async_dppo.py checks the gradient against TRL's real loss (the
 # selection of loss terms, A = 0 silencing the surrogate, the normalisation) and runs TRL's real queue dataset, planner
 # and collator (`metrics` passed through untouched, a row's samples in `segment_id` order).
 #

@@ -1,5 +1,5 @@
 # Copyright 2026 The dppo-trl authors. Licensed under the Apache License, Version 2.0.
-"""Small exact statistics for the sanity benchmark's seed counts (no SciPy needed; tests/test_sanity_stats.py).
+"""Small exact statistics for the sanity benchmark's seed counts (no SciPy needed; tests/unit/test_sanity_stats.py).
 
 - `fisher_exact`: Fisher's exact test on a 2×2 table (collapsed / not collapsed, method A / method B);
 - `clopper_pearson`: the exact binomial 95% interval of a collapse rate;

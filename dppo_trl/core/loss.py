@@ -169,7 +169,7 @@ def aggregate_per_token_loss(
     - `dapo`: sum / (num_items_in_batch / num_processes), × steps_per_generation / accumulation steps (training);
     - `luspo`: per-sequence sum, then the batch mean, / accumulation steps.
 
-    `tests/test_mu_kl.py` pins this against GRPOTrainer's real `_compute_loss` for every supported `loss_type`.
+    `tests/integration/test_mu_kl.py` pins this against GRPOTrainer's real `_compute_loss` for every supported `loss_type`.
     """
     mask = mask.to(per_token.dtype)
     accumulation = gradient_accumulation_steps if training else 1.0

@@ -132,7 +132,8 @@ def scan_checkpoints(output_dir: str) -> tuple[list[str], list[str]]:
     """
     if not os.path.isdir(output_dir):
         return [], []
-    complete, incomplete = [], []
+    complete: list[str] = []
+    incomplete: list[str] = []
     for entry in os.listdir(output_dir):
         path = os.path.join(output_dir, entry)
         if not os.path.isdir(path):

@@ -13,7 +13,7 @@ import warnings
 
 from dppo_trl.hardening.checkpoints import save_steps_hint
 
-# GRPOTrainer loads a missing processing class with these arguments (pinned by tests/test_trl_contract.py).
+# GRPOTrainer loads a missing processing class with these arguments (pinned by tests/meta/test_trl_contract.py).
 PROCESSING_CLASS_KWARGS = {"truncation_side": "left", "padding_side": "left"}
 
 

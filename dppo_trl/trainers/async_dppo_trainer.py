@@ -31,12 +31,12 @@ change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
    key of `metrics` into its logged metrics and its trace logger copies them.
 2. **The collator is built inline.** `get_train_dataloader` constructs `DataCollatorForRollout(...)` in its body
    (no attribute or method to override), so this trainer restates that method with TRL's own classes and
-   `SampleVersionCollator`; `tests/test_trl_contract.py` fails when TRL's method changes.
+   `SampleVersionCollator`; `tests/meta/test_trl_contract.py` fails when TRL's method changes.
 3. **`compute_loss` is one method** (forward, PPO clip, normalisation, aux loss, metrics) with no hook between the
    forward and the clip, and its inputs are read before the forward, so nothing can be substituted once π is known.
    It runs on the batch with zeroed advantages and `KeepForwardOutputs` in place of the model (a callable that
    keeps the outputs of TRL's one `model(...)` call); DPPO's term is added on those log-probs with TRL's
-   normalisation (tokens per rank, then gradient accumulation), which `tests/test_async_dppo.py` pins against TRL's
+   normalisation (tokens per rank, then gradient accumulation), which `tests/integration/test_async_dppo.py` pins against TRL's
    real loss. TRL's PPO-clip rates, always 0 with zero advantages, are dropped from the logs.
 4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only, between
    optimizer steps; `_policy_version()` reads it once per optimizer step (a broadcast on several processes).
@@ -192,7 +192,7 @@ def sample_versions(rows: list[Any]) -> torch.Tensor:
                 raise TypeError(
                     "A rollout sample reached the collator without its sampling version (its `metrics` is not a "
                     "SampleMetrics): it was not read through SampleVersionQueue. TRL's queue dataset may have "
-                    "changed how it passes `metrics` on; see tests/test_trl_contract.py."
+                    "changed how it passes `metrics` on; see tests/meta/test_trl_contract.py."
                 )
         versions.append([sample["metrics"].model_version for sample in row.samples])
     width = max(1, max(len(row) for row in versions))

@@ -25,7 +25,7 @@ change that removes it is in docs/upstream.md):
 4. GRPOTrainer runs a no-grad π_old pass whenever generation and optimisation are misaligned; DPPO anchors on μ, so
    `_get_per_token_logps_and_entropies` declines that pass (`_decline_old_pass`) instead of paying a forward.
 
-`tests/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
+`tests/integration/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ class DPPOTrainer(GRPOTrainer):
                 "fields (it subclasses GRPOConfig and sets the defaults DPPO needs)."
             )
         _validate_trainer_inputs(config, params)
+        self._has_rollout_func = params.get("rollout_func") is not None  # μ then comes from the user's engine
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
         # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
@@ -158,9 +159,9 @@ class DPPOTrainer(GRPOTrainer):
         # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
         # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
         self._check_liger_device()
-        if self.use_vllm:
+        if self.args.use_vllm:
             bind_colocate_weight_sync(self.vllm_generation)  # vLLM CPU colocate: on this trainer's instance only
-            if self.vllm_mode == "server" and self.accelerator.is_main_process:
+            if self.args.vllm_mode == "server" and self.accelerator.is_main_process:
                 bound_server_requests(self.vllm_generation.vllm_client, self.args.vllm_server_request_timeout)
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
         self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
@@ -178,12 +179,12 @@ class DPPOTrainer(GRPOTrainer):
         # Research hooks: each is called with the per-token tensors of every loss call (`_log_trust_region`).
         self.trust_region_observers: list = []
         self._vllm_topk: VLLMTopKCapture | None = None
-        if self.use_vllm:
+        if self.args.use_vllm:
             self._check_vllm_server()
             if self.args.uses_top_k and self.args.anchor == "behavior":
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
                 gen_kwargs = self.vllm_generation.generation_kwargs
-                if self.vllm_mode == "colocate" and "stop" not in gen_kwargs:
+                if self.args.vllm_mode == "colocate" and "stop" not in gen_kwargs:
                     # TRL's colocate path reads token ids only; without this vLLM also decodes all K+1 candidate
                     # tokens of every position to text, which dominates generation on small models.
                     gen_kwargs.setdefault("detokenize", False)
@@ -206,7 +207,7 @@ class DPPOTrainer(GRPOTrainer):
 
         if self.trust_region_spec.region.needs_old_logps:
             recomputed = output.get("old_per_token_logps")
-            if recomputed is None and self.use_vllm:
+            if recomputed is None and self.args.use_vllm:
                 recomputed, _ = self._policy_forward(output, mask, want_topk=False)
             if recomputed is not None:
                 output[RECOMPUTED_LOGPS] = recomputed.float()
@@ -236,7 +237,7 @@ class DPPOTrainer(GRPOTrainer):
         Kept: `anchor="recompute"` (the ablation anchors on π_old), `needs_old_logps` entries, and transformers
         generation, where the parent's recompute of the generating weights *is* μ.
         """
-        engine_mu = self.use_vllm or self.rollout_func is not None
+        engine_mu = self.args.use_vllm or self._has_rollout_func
         region = self.trust_region_spec.region
         return engine_mu and self.args.anchor == "behavior" and not region.needs_old_logps
 
@@ -245,9 +246,9 @@ class DPPOTrainer(GRPOTrainer):
         (misaligned generation and optimisation, or vLLM IS correction; pinned in tests/trl_contract.py)."""
         steps_per_generation = self.args.steps_per_generation
         assert steps_per_generation is not None  # GRPOConfig.__post_init__ resolves None
-        generate_every = steps_per_generation * self.num_iterations
+        generate_every = steps_per_generation * self.args.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
+            self.args.use_vllm and self.args.vllm_importance_sampling_correction
         )
 
     @contextlib.contextmanager
@@ -306,8 +307,8 @@ class DPPOTrainer(GRPOTrainer):
             loss = loss + aggregate_per_token_loss(
                 call.outputs.mu_kl,
                 call.mask,
-                self.loss_type,
-                max_completion_length=self.max_completion_length,
+                self.args.loss_type,
+                max_completion_length=self.args.max_completion_length,
                 num_items_in_batch=inputs.get("num_items_in_batch"),
                 num_processes=self.accelerator.num_processes,
                 gradient_accumulation_steps=self.current_gradient_accumulation_steps,
@@ -363,7 +364,7 @@ class DPPOTrainer(GRPOTrainer):
         afterwards), and a run stopped by SIGTERM (`enable_jit_checkpoint`) raises `TrainingPreempted` (exit 143)
         after its checkpoint instead of returning as if it had finished (`dppo_trl/hardening/preemption.py`)."""
         threads = None
-        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
+        if self.args.use_vllm and self.args.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
             threads = cpu_colocate_threads(self.accelerator.num_processes)
         with trainer_cpu_threads(threads), self._server_failures():
             output = super().train(*args, **kwargs)
@@ -374,7 +375,7 @@ class DPPOTrainer(GRPOTrainer):
     def _server_failures(self):
         """Server mode: a failed request to the vLLM server (killed, hung, unreachable) ends training with an error
         naming the server, the last complete checkpoint and how to resume."""
-        if not (self.use_vllm and self.vllm_mode == "server"):
+        if not (self.args.use_vllm and self.args.vllm_mode == "server"):
             yield
             return
         import requests
@@ -417,7 +418,7 @@ class DPPOTrainer(GRPOTrainer):
         topk = None
         if self.args.anchor == "recompute":
             behavior = output.get("old_per_token_logps")
-            if behavior is None and not self.use_vllm:
+            if behavior is None and not self.args.use_vllm:
                 return None, None  # on-policy transformers generation: π_old ≡ π, the parent's own fallback
             if behavior is None or want_topk:
                 logps, topk = self._policy_forward(output, mask, want_topk)
@@ -567,11 +568,11 @@ class DPPOTrainer(GRPOTrainer):
 
     def _logit_transform(self) -> LogitTransform:
         config = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).config
-        return LogitTransform.from_model_config(config, temperature=self.temperature)
+        return LogitTransform.from_model_config(config, temperature=self.args.temperature)
 
     def _check_vllm_server(self) -> None:
         """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them."""
-        if self.vllm_mode != "server" or not self.accelerator.is_main_process:
+        if self.args.vllm_mode != "server" or not self.accelerator.is_main_process:
             return
         model_config = self.vllm_generation.vllm_client.get_server_info()["model_config"]
         if model_config.get("logprobs_mode") != "processed_logprobs":

@@ -1,4 +1,4 @@
-"""One rank of `tests/test_async_dppo.py::test_policy_version_is_read_once_per_step_on_every_rank` (torchrun, 2 ranks).
+"""One rank of `tests/integration/test_async_dppo.py::test_policy_version_is_read_once_per_step_on_every_rank` (torchrun, 2 ranks).
 
 Builds an `AsyncDPPOTrainer` (its vLLM server is never contacted: nothing trains), moves the main process's
 `model_version` the way TRL's weight sync does (main process only) and writes `<out>/rank<R>.json` with what

@@ -1,4 +1,4 @@
-"""A small DPPO run for the fault tests (`tests/test_faults.py`): prints `STEP n` after each optimizer step so a test
+"""A small DPPO run for the fault tests (`tests/system/test_faults.py`): prints `STEP n` after each optimizer step so a test
 knows when to strike, and writes `{"global_step", "steps", "patches"}` to `--output_json` when training returns.
 
     python tests/scripts/fault_train.py --model DIR --output_dir OUT --generation colocate --max_steps 200 \

@@ -1,4 +1,4 @@
-"""One rank of a multi-process DPPO run, launched by `tests/test_multiprocess.py` (torchrun / accelerate launch).
+"""One rank of a multi-process DPPO run, launched by `tests/system/test_multiprocess.py` (torchrun / accelerate launch).
 
 Each rank trains the same tiny model on its share of the batch and writes `<out>/rank<R>.json`:
 

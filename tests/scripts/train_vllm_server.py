@@ -1,6 +1,6 @@
 """DPPO training against a running vLLM server, one process per `torchrun` rank (CPU, gloo).
 
-Used by `tests/test_vllm_server.py`; writes rank 0's `log_history` (and the world size) to `--output_json`:
+Used by `tests/system/test_vllm_server.py`; writes rank 0's `log_history` (and the world size) to `--output_json`:
 
     torchrun --nproc_per_node 2 --master_port P tests/scripts/train_vllm_server.py \
         --model DIR --port SERVER_PORT --divergence topk_tv --output_json OUT.json

@@ -35,7 +35,7 @@ def _is_cpu_device(device: Any) -> bool:
 def cpu_sync_client_class(base: type) -> type:
     """A subclass of TRL's `VLLMClient` (`base`) that syncs weights through a file when the trainer runs on the CPU."""
 
-    class CPUWeightSyncVLLMClient(base):  # type: ignore[valid-type,misc]
+    class CPUWeightSyncVLLMClient(base):
         """TRL's `VLLMClient`; on a CPU trainer, weights reach the server as a file instead of over NCCL."""
 
         dppo_original_class = base

@@ -87,7 +87,7 @@ def reload_in_place(worker: Any, **reload_kwargs: Any) -> None:
     reloaded: list[tuple[torch.nn.Module, Any]] = []
     moe_layers = _cpu_moe_experts(model)
     for layer, experts in moe_layers:
-        method = layer.quant_method
+        method: Any = layer.quant_method
         process = method.process_weights_after_loading
 
         def recording(module: torch.nn.Module, _process: Any = process, _experts: Any = experts) -> None:
@@ -99,7 +99,8 @@ def reload_in_place(worker: Any, **reload_kwargs: Any) -> None:
         worker.reload_weights(**reload_kwargs, is_checkpoint_format=True)
     finally:
         for layer, _ in moe_layers:
-            del layer.quant_method.process_weights_after_loading
+            restored: Any = layer.quant_method
+            del restored.process_weights_after_loading
     for layer, experts in reloaded:
         _repack_cpu_moe_experts(layer, experts)
     # A tied head shares the embedding's weight but is never loaded itself, so the reload skips its processing and
