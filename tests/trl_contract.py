@@ -258,6 +258,43 @@ WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "res
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
 
+# Top-K in async (dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
+# subclasses the worker's loop and `TopKRolloutWorker` runs it through the worker's `_loop_cls`, built from the
+# `_loop_kwargs` TRL built its worker with (TRL's own resume reads them too), swapped in before `train` starts it.
+# → one `logprobs` option of the worker returning the entries in `TurnRecord` and `RolloutSample` (docs/upstream.md,
+# "AsyncGRPOTrainer" item 5) removes every entry of this block.
+ASYNC_WORKER_MODULE = "trl.experimental.async_grpo.async_rollout_worker"
+# Overridden `_AsyncRolloutLoop` methods (all call `super()`), with their parameters.
+ASYNC_LOOP_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_post": ("self", "path", "payload", "timeout", "max_retries"),  # adds `logprobs: K`, records the turn
+    "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),  # places the lists in TRL's rows
+    "_score_group": ("self", "group"),  # turns each sample into a `TopKRolloutSample`
+}
+# `_generate_one_turn` sends each turn's request through `self._post` inside the conversation's task, reading these;
+# `_generate_one` is one asyncio task per conversation, reconciles its turns with `_chain_to_sequences` and returns the
+# rows third; `_score_group` makes one sample per row, in `completions_sequences` order.
+ASYNC_WORKER_FRAGMENTS = (
+    'lambda: self._post("/v1/completions", payload, self.request_timeout)',
+    '"prompt": prompt_ids,',
+    'return choice["token_ids"], choice["logprobs"]["token_logprobs"]',
+    "turns.append(TurnRecord(prompt_ids, turn_ids, turn_logprobs))",
+    "sequences, tally = _chain_to_sequences(turns, rollout_id, self._fork_threshold_tokens)",
+    "return completion, completion_ids, sequences, tool_call_count, tool_failure_count, None",
+    "task = asyncio.create_task(",
+    "self._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)",
+    "for seq in sequences:",
+)
+TURN_RECORD_FIELDS = ("prompt_ids", "output_ids", "output_log_probs", "output_mask")
+TRAINING_SEQUENCE_FIELDS = ("input_ids", "completion_mask", "old_log_probs", "rollout_id")
+# The worker's class attribute naming its loop, and its stored constructor arguments.
+ASYNC_WORKER_FRAGMENTS_CONTROLLER = ("_loop_cls:", "self._loop_kwargs = loop_kwargs", "self._loop_cls,")
+# `AsyncGRPOTrainer.__init__` builds the worker and the queue it reads; the worker starts on train begin.
+ASYNC_TRAINER_WORKER_FRAGMENTS = (
+    "self.rollout_worker = AsyncRolloutWorker(",
+    "self.rollout_queue = self.rollout_worker.rollout_buffer",
+    "self._trainer.rollout_worker.start()",
+)
+
 # Faults (`dppo_trl/hardening/preemption.py`, `bound_server_requests`, `trainer_construction_patches`). transformers' SIGTERM
 # support: `JITCheckpointCallback.jit_manager` (a `CheckpointManager`) writes a checkpoint through
 # `execute_jit_checkpoint`, which calls the Trainer's `_save_checkpoint`. TRL's client mounts one retrying

