@@ -182,3 +182,19 @@ def test_async_vs_sync_runs():
         assert "error" not in result, (name, result)
         _no_nulls(result, name)
     assert report["launcher"] and report["threads"]
+
+
+def test_async_topk_cost_runs():
+    """Binary against top-K at each stage of the asynchronous data path, smallest sizes: every figure is present and
+    finite, and the top-K lists really travel (the batch holds them, the samples are larger). No time is compared."""
+    report = _run_script("async_topk_cost.py", "--quick")
+    assert set(report["results"]) == {"binary_tv", "topk_tv"}
+    for name, result in report["results"].items():
+        for stage in ("sample", "collate", "loss_step"):
+            assert _is_number(result[stage]["time_s" if stage != "sample" else "pickled_bytes_mean"]), (name, stage)
+        assert _is_number(result["server_response"]["bytes_per_token"])
+    binary, topk = report["results"]["binary_tv"], report["results"]["topk_tv"]
+    assert binary["collate"]["batch_topk_bytes"] == 0 < topk["collate"]["batch_topk_bytes"]
+    assert topk["sample"]["array_bytes_per_trained_token"] > binary["sample"]["array_bytes_per_trained_token"]
+    assert _is_number(topk["server_response"]["parse_s_per_1k_tokens"])
+    assert report["settings"]["k"] == 4 and report["versions"]["trl"]
