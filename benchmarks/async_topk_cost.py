@@ -247,7 +247,9 @@ def _measure(args, tmp: str) -> dict:
         response_bytes = sum(len(json.dumps(c)) for c in choices) / (64 * len(choices))
         parse_s = None
         if topk:
-            parse_s, _ = _median_time(lambda: [completion_topk(c, args.k) for c in choices], args.repeats)
+            parse_s, _ = _median_time(
+                lambda choices=choices: [completion_topk(c, args.k) for c in choices], args.repeats
+            )
             parse_s = round(parse_s * 1000 / (64 * len(choices)), 6)
         samples = _samples(args, np.random.default_rng(1), vocab, topk)
         pickled = statistics.mean(len(pickle.dumps(s)) for s in samples)
@@ -255,7 +257,7 @@ def _measure(args, tmp: str) -> dict:
             s.input_ids.nbytes + s.completion_mask.nbytes + s.old_log_probs.nbytes for s in samples
         ) + sum(s.topk_ids.nbytes + s.topk_logps.nbytes for s in samples if topk)
         trained = sum(int(s.completion_mask.sum()) for s in samples)
-        collate_s, batch = _median_time(lambda: _collate(samples, pad), args.repeats)
+        collate_s, batch = _median_time(lambda samples=samples: _collate(samples, pad), args.repeats)
         topk_batch = sum(batch[key].nbytes for key in (BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS) if key in batch)
         results[name] = {
             "server_response": {"bytes_per_token": round(response_bytes, 1), "parse_s_per_1k_tokens": parse_s},
