@@ -40,6 +40,9 @@ change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
    real loss. TRL's PPO-clip rates, always 0 with zero advantages, are dropped from the logs.
 4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only, between
    optimizer steps; `_policy_version()` reads it once per optimizer step (a broadcast on several processes).
+5. **The worker asks for the sampled token's log-prob only.** For top-K divergences the worker TRL built is replaced
+   (before it starts) by `TopKRolloutWorker`, TRL's worker class running a subclass of its loop; see
+   `dppo_trl.trainers.async_topk`.
 
 On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
 attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
