@@ -23,8 +23,9 @@ at each stage of the asynchronous data path (`dppo_trl/trainers/async_topk.py`):
   `TopKRolloutSample`), and the arrays' bytes per trained token;
 - `collate`: the time to read the samples through `SampleVersionQueue`, pack them in TRL's `TreeRow` and run
   `SampleVersionCollator`, and the bytes of the batch's top-K tensors;
-- `loss_step`: `AsyncDPPOTrainer.compute_loss` plus backward on that batch (tiny model, CPU tree attention), and the
-  increase of the process's peak RSS during it (Linux `VmHWM`, reset right before).
+- `loss_step`: `AsyncDPPOTrainer.compute_loss` plus backward on that batch (tiny model, CPU tree attention; the two
+  variants alternate), the increase of the process's peak RSS during one step (Linux `VmHWM`, reset right before),
+  and, for top-K, the time of its own extra work alone (`topk_gather_s`: π at the K + 1 ids of every loss term).
 
 Times are medians over `--repeats`; nothing here calls a server. Prints one JSON object on stdout.
 
@@ -212,22 +213,53 @@ def _trainer(args, tmp: str, divergence: str):
     return trainer
 
 
-def _loss_step(trainer, batch, repeats: int):
+def _loss_steps(trainers: dict, batches: dict, repeats: int) -> dict:
+    """`compute_loss` + backward per variant: a warm-up step each, the peak-RSS step each, then `repeats` timed steps
+    alternating the variants (order flipped every round) so a change in machine load hits both alike."""
     from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
 
-    def step():
+    def step(name):
+        trainer = trainers[name]
         trainer.model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
         with cpu_tree_attention():
-            loss = trainer.compute_loss(trainer.model, dict(batch))
+            loss = trainer.compute_loss(trainer.model, dict(batches[name]))
         loss.backward()
-        return float(loss.detach())
+        return time.perf_counter() - start
 
-    step()  # warm-up: first-call allocations are not the step's cost
-    before = _peak_rss_reset()
-    seconds, _ = _median_time(step, repeats)
-    peak = _status_kib("VmHWM")
-    extra = None if before is None or peak is None else round(max(peak - before, 0) / 1024, 2)
-    return {"time_s": round(seconds, 5), "peak_extra_mib": extra}
+    names = list(trainers)
+    out = {}
+    for name in names:
+        step(name)  # warm-up: first-call allocations are not the step's cost
+        before = _peak_rss_reset()
+        step(name)
+        peak = _status_kib("VmHWM")
+        extra = None if before is None or peak is None else round(max(peak - before, 0) / 1024, 2)
+        out[name] = {"times": [], "peak_extra_mib": extra}
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            out[name]["times"].append(step(name))
+    return {
+        name: {"time_s": round(statistics.median(r["times"]), 5), "peak_extra_mib": r["peak_extra_mib"]}
+        for name, r in out.items()
+    }
+
+
+def _gather_time(trainer, batch, repeats: int) -> float:
+    """The top-K-only work of the loss step: π at μ's K + 1 ids of every loss term (`logps_at_ids_from_sampled`, on
+    hidden states of the model's width)."""
+    import torch
+
+    from dppo_trl.kernels.topk_logps import logps_at_ids_from_sampled
+    from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS
+
+    ids = batch[BEHAVIOR_TOPK_IDS][batch["token_index"] >= 0]
+    weight = trainer.model.get_output_embeddings().weight
+    hidden = torch.randn(ids.shape[0], weight.shape[1])
+    seconds, _ = _median_time(
+        lambda: logps_at_ids_from_sampled(hidden, weight, ids, ids[:, 0], torch.zeros(ids.shape[0])), repeats
+    )
+    return round(seconds, 6)
 
 
 def _measure(args, tmp: str) -> dict:
@@ -240,7 +272,7 @@ def _measure(args, tmp: str) -> dict:
     trainers = {name: _trainer(args, tmp, name) for name in ("binary_tv", "topk_tv")}
     vocab = trainers["binary_tv"].model.config.get_text_config().vocab_size
     pad = trainers["binary_tv"].processing_class.pad_token_id
-    results = {}
+    results, batches = {}, {}
     for name, topk in (("binary_tv", False), ("topk_tv", True)):
         rng = np.random.default_rng(0)
         choices = [_choice(rng, rng.integers(0, vocab, 64).tolist(), vocab, args.k if topk else 0) for _ in range(8)]
@@ -266,8 +298,14 @@ def _measure(args, tmp: str) -> dict:
                 "array_bytes_per_trained_token": round(array_bytes / trained, 2),
             },
             "collate": {"time_s": round(collate_s, 5), "batch_topk_bytes": topk_batch},
-            "loss_step": _loss_step(trainers[name], batch, args.repeats),
         }
+        batches[name] = batch
+    for name, measured in _loss_steps(trainers, batches, args.repeats).items():
+        results[name]["loss_step"] = measured
+    results["binary_tv"]["loss_step"]["topk_gather_s"] = None
+    results["topk_tv"]["loss_step"]["topk_gather_s"] = _gather_time(
+        trainers["topk_tv"], batches["topk_tv"], args.repeats
+    )
 
     def ratio(stage: str, key: str):
         a, b = results["topk_tv"][stage][key], results["binary_tv"][stage][key]
