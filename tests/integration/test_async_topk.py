@@ -330,3 +330,100 @@ def test_async_topk_tv_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
     assert listed[:, 1:].any(), "the server returned no top-K entries besides the sampled token"
     assert torch.equal(listed, torch.isfinite(pi))
     assert (pi[listed] - mu[listed]).abs().max().item() < FRESH_MISMATCH
+
+
+def _multi_turn_sample(index: int, ids: list[int], mask: list[int], advantage: float):
+    """A sample shaped like a tool-calling row: trained tokens, then context (a tool result), then trained tokens."""
+    from dppo_trl.trainers.async_topk import TopKRolloutSample
+
+    rng = np.random.default_rng(100 + index)
+    trained = [p for p, m in enumerate(mask) if m]
+    mu = -rng.uniform(0.5, 5.0, size=len(trained))
+    topk_ids = np.full((len(trained), K + 1), -1, dtype=np.int64)
+    topk_logps = np.full((len(trained), K + 1), -np.inf, dtype=np.float32)
+    for row, p in enumerate(trained):
+        others = [v for v in rng.choice(250, size=K + 1, replace=False).tolist() if v != ids[p]][:K]
+        topk_ids[row] = [ids[p], *others]
+        topk_logps[row] = [mu[row], *np.sort(-rng.uniform(0.2, 3.0, size=K))[::-1]]
+    old = np.zeros(len(ids), dtype=np.float32)
+    old[trained] = mu
+    return TopKRolloutSample(
+        prompt=[],
+        completion=[],
+        input_ids=np.array(ids),
+        completion_mask=np.array(mask),
+        old_log_probs=old,
+        advantage=advantage,
+        model_version=0,
+        group_id=index,
+        metrics={},
+        topk_ids=topk_ids,
+        topk_logps=topk_logps,
+    )
+
+
+def test_topk_gradient_is_literal_eq11_over_model_tokens(tmp_path):
+    """The gradient of `AsyncDPPOTrainer.compute_loss` (TRL's real loss with A = 0 plus DPPO's term) with `topk_tv`
+    equals eq. 11 written out on unpacked sequences — −A·min(π/μ, C)·M·∇log π summed over the trained tokens only,
+    M from eq. 12 with the top-K TV of eq. 15 on a full softmax — divided by the loss terms, as TRL normalises. Rows
+    hold context (a tool result) between trained tokens; the mask fires on some tokens."""
+    from references import dppo_per_token_loss
+
+    trainer = _recording_trainer(_Recorder())(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(
+            tmp_path,
+            vllm_server_base_url="http://127.0.0.1:1",
+            divergence="topk_tv",
+            divergence_top_k=K,
+            delta_low=0.3,
+            delta_high=0.3,
+        ),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        rollout_worker=_QueueWorker(),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [
+        ([5, 6, 7, 40, 41, 90, 91, 92, 42, 43], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1], 1.0),
+        ([5, 6, 8, 44, 93, 94, 45, 46, 47], [0, 0, 0, 1, 0, 0, 1, 1, 1], -1.0),
+        ([9, 8, 48, 49, 95, 50], [0, 0, 1, 1, 0, 1], 0.5),
+        ([9, 8, 51, 96, 97, 52, 53], [0, 0, 1, 0, 0, 1, 1], -0.7),
+    ]
+    samples = [_multi_turn_sample(i, ids, mask, adv) for i, (ids, mask, adv) in enumerate(rows)]
+    for sample in samples * 2:  # two micro-batches of 4: accelerate fetches one ahead
+        trainer.rollout_worker.rollout_buffer.put(sample)
+    batch = next(iter(trainer.get_train_dataloader()))
+    n_terms = int((batch["token_index"] >= 0).sum())
+    assert n_terms == sum(sum(mask) for _, mask, _ in rows)
+
+    trainer.model.zero_grad()
+    with cpu_tree_attention():
+        trainer.compute_loss(trainer.model, batch).backward()
+    ours = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    mask_ratio = trainer._metrics["train"]["dppo/mask_ratio"][-1]
+    assert 0.0 < mask_ratio < 1.0, "the test should mask some tokens and keep others"
+
+    plain = _plain_copy(trainer.model)
+    spec = trainer.trust_region_spec
+    total = 0.0
+    for sample in samples:
+        ids = torch.tensor(sample.input_ids)
+        trained = [p for p in range(len(ids)) if sample.completion_mask[p]]
+        logps = torch.log_softmax(plain(input_ids=ids[None]).logits[0].float(), dim=-1)[[p - 1 for p in trained]]
+        pi = logps.gather(-1, ids[trained][:, None])[:, 0]
+        mu = torch.tensor(sample.topk_logps[:, 0])
+        topk_ids = torch.tensor(sample.topk_ids)
+        pi_probs = torch.where(topk_ids >= 0, logps.detach().gather(-1, topk_ids.clamp(min=0)).exp(), 0.0)
+        mu_probs = torch.where(topk_ids >= 0, torch.tensor(sample.topk_logps).exp(), 0.0)
+        rest = (1 - pi_probs.sum(-1)) - (1 - mu_probs.sum(-1))
+        divergence = 0.5 * ((pi_probs - mu_probs).abs().sum(-1) + rest.abs())
+        adv = torch.full_like(pi, sample.advantage)
+        drop = ((adv > 0) & (pi.detach() > mu) & (divergence > spec.delta_high)) | (
+            (adv < 0) & (pi.detach() < mu) & (divergence > spec.delta_low)
+        )
+        total = total + dppo_per_token_loss(pi, mu, adv, (~drop).float(), spec.ratio_cap).sum()
+    (total / n_terms).backward()
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
