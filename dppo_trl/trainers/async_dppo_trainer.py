@@ -261,6 +261,10 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     module docstring for how the batch reaches `dppo_trl.core.loss.policy_loss`.
     """
 
+    # Set by `AsyncGRPOTrainer.__init__`: on the main process the rollout worker (built or passed in) and its queue.
+    rollout_worker: Any
+    rollout_queue: Any
+
     def __init__(self, model: str, reward_funcs=None, args: AsyncDPPOConfig | None = None, *pargs, **kwargs):
         if args is None:
             args = AsyncDPPOConfig(f"{str(model).split('/')[-1]}-AsyncDPPO")

@@ -150,6 +150,13 @@ def rows_topk(
     return out
 
 
+def _current_task() -> asyncio.Task:
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
+    return task
+
+
 class TopKRolloutLoop(_AsyncRolloutLoop):
     """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
     on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
@@ -167,7 +174,7 @@ class TopKRolloutLoop(_AsyncRolloutLoop):
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         if path != "/v1/completions":
             return await super()._post(path, payload, timeout, max_retries)
-        turns = self._turns_by_task.get(asyncio.current_task())
+        turns = self._turns_by_task.get(_current_task())
         if turns is None:
             raise RuntimeError("TopKRolloutLoop samples only inside `_generate_one` (one conversation per task).")
         payload = {**payload, "logprobs": self.logprobs_top_k, "return_tokens_as_token_ids": True}
@@ -178,7 +185,7 @@ class TopKRolloutLoop(_AsyncRolloutLoop):
         return content
 
     async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
-        task = asyncio.current_task()
+        task = _current_task()
         turns = self._turns_by_task[task] = []
         try:
             completion, completion_ids, rows, *rest = await super()._generate_one(prompt, tool_dict, tools, group_id)
