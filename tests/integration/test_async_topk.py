@@ -180,10 +180,11 @@ def _reference_logps(model, input_ids: list[int], positions: list[int], ids: tor
     )
 
 
-def test_topk_reaches_the_loss_through_trls_classes(tmp_path):
+@pytest.mark.parametrize("divergence", ["topk_tv", "topk_kl"])
+def test_topk_reaches_the_loss_through_trls_classes(tmp_path, divergence):
     """Samples with shared prompts pass TRL's real queue dataset, planner and collator; each loss term's μ lists are
     the ones its sample carried, slot 0 is the packed target, and π at those ids (chunked gather on the forward's
-    hidden states) equals a full-softmax reference; `topk_tv` metrics are logged."""
+    hidden states) equals a full-softmax reference; the divergence's metrics are logged."""
     from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
 
     recorder = _Recorder()
@@ -191,7 +192,7 @@ def test_topk_reaches_the_loss_through_trls_classes(tmp_path):
     trainer = _recording_trainer(recorder)(
         model=TINY_MODEL,
         reward_funcs=byte_mean_reward,
-        args=_config(tmp_path, vllm_server_base_url="http://127.0.0.1:1", divergence="topk_tv", divergence_top_k=K),
+        args=_config(tmp_path, vllm_server_base_url="http://127.0.0.1:1", divergence=divergence, divergence_top_k=K),
         train_dataset=_dataset(),
         processing_class=_tokenizer(),
         rollout_worker=worker,
