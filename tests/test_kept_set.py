@@ -15,7 +15,7 @@ from dppo_trl.core.functional import kept_log_mass, restrict_topk_to_kept
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.metrics import trust_region_metrics
 from dppo_trl.core.spec import TrustRegionSpec
-from dppo_trl.trainers.kept_set import kept_set_overflow
+from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 
 NEG_INF = -math.inf
 
@@ -109,6 +109,10 @@ def test_overflow_rule():
         ]
     )
     assert kept_set_overflow(lists, 3, top_k=0).squeeze(-1).tolist() == [False, True, True, True]
+    # Server mode: vLLM's OpenAI layer sends a dropped token's -inf as -9999.0.
+    floored = torch.where(lists == NEG_INF, torch.full_like(lists, -9999.0), lists)
+    assert torch.equal(engine_lists(floored).isinf(), lists.isinf())
+    assert kept_set_overflow(engine_lists(floored), 3, top_k=0).squeeze(-1).tolist() == [False, True, True, True]
     # top_k ≤ N bounds the kept set: it always fits (an unreported entry still leaves it unknown).
     assert kept_set_overflow(lists, 3, top_k=3).squeeze(-1).tolist() == [False, False, False, True]
 

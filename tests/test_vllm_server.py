@@ -427,6 +427,32 @@ def test_server_mu_needs_no_policy_pass(server, trainer_env, tmp_path, divergenc
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_truncated_sampling_compares_pi_over_the_servers_kept_set(server, trainer_env, tmp_path):
+    """top_p < 1 in server mode: the kept set comes from the server's lists (N ≤ `--max-logprobs`); a fresh
+    rollout's |π_kept − μ| is rounding, the full-softmax |π − μ| is not. An N above the server's limit is refused."""
+    with pytest.raises(ValueError, match=f"than the vLLM server's `--max-logprobs {SERVER_MAX_LOGPROBS}`"):
+        make_trainer(TINY_MODEL, tmp_path, top_p=0.95, **_server_config(server))  # N defaults to 64
+    trainer = make_trainer(
+        TINY_MODEL, tmp_path, top_p=0.95, kept_set_logprobs=SERVER_MAX_LOGPROBS, max_steps=1, **_server_config(server)
+    )
+    records = []
+    trainer.trust_region_observers.append(records.append)
+    trainer.train()
+    counted = records[0]["valid"]
+    assert counted.any()
+    mu = records[0]["mu_logps"][counted].exp()
+    kept = (records[0]["pi_logps"][counted].exp() - mu).abs().mean().item()
+    full = (records[0]["pi_full_logps"][counted].exp() - mu).abs().mean().item()
+    print(f"server top_p=0.95, N={SERVER_MAX_LOGPROBS}: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g}")
+    assert kept < FRESH_MISMATCH and full > 100 * kept
+    overflow = [
+        e["dppo/kept_set_overflow_ratio"] for e in trainer.state.log_history if "dppo/kept_set_overflow_ratio" in e
+    ]
+    assert len(overflow) == 1 and 0.0 <= overflow[0] < 1.0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_two_ranks_torchrun_train_against_the_server(server, tmp_path):
     out = tmp_path / "history.json"
     weights_root = tmp_path / "tmp"

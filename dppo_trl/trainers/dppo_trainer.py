@@ -63,7 +63,7 @@ from dppo_trl.kernels.topk_logps import (
     logps_at_ids_with_grad,
 )
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
-from dppo_trl.trainers.kept_set import kept_set_overflow
+from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
@@ -235,7 +235,7 @@ class DPPOTrainer(GRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["dppo/invalid_behavior_logps"].append(self.accelerator.gather(invalid).sum().item())
         if topk is not None and self._kept_set_size is not None:
-            ids, lists = topk
+            ids, lists = topk[0], engine_lists(topk[1])
             output[BEHAVIOR_KEPT_IDS], output[BEHAVIOR_KEPT_LOGPS] = ids, lists
             top_k = sampling_truncation(self.args)[0]
             output[BEHAVIOR_KEPT_OVERFLOW] = kept_set_overflow(lists, self._kept_set_size, top_k) & mask.bool()
