@@ -432,6 +432,13 @@ def test_benchmark_variants_agree():
         # Memory is counted, not timed; the time is only checked to be reported (a fast run rounds it to 0.0)
         assert result["peak_extra_mib"] >= 0 and math.isfinite(result["time_s"])
         losses[variant] = result["loss"]
+    # `kept_set` is the truncated-sampling loss: π renormalised over each row's kept ids (its first 1 + r mod (K + 1)).
+    hidden, weight, ids, advantages = bench._make_inputs(args, torch)
+    with torch.no_grad():
+        full = torch.log_softmax(hidden @ weight.t(), dim=-1).gather(1, ids)
+        kept = torch.arange(ids.shape[1]).unsqueeze(0) <= (torch.arange(ids.shape[0]) % ids.shape[1]).unsqueeze(1)
+        pi_kept = full[:, 0] - torch.logsumexp(full.masked_fill(~kept, -math.inf), dim=1)
+    assert losses.pop("kept_set") == pytest.approx(-(pi_kept * advantages).sum().item(), rel=1e-5)
     for variant, loss in losses.items():
         assert loss == pytest.approx(losses["naive"], rel=1e-5), variant
 
