@@ -120,6 +120,22 @@ def test_topk_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra):
         )
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"), [("tools", "with tool calling"), ("rollout_func", "with a `rollout_func`")]
+)
+def test_truncated_sampling_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra, message):
+    # Refused before the model or the engine is built, naming the fix.
+    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
+    with pytest.raises(ValueError, match=f"{message}.*top_k=0, top_p=1.0, min_p=0.0"):
+        DPPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=ascii_reward,
+            args=small_config(tmp_path, top_p=0.9, use_vllm=True, vllm_mode="colocate"),
+            train_dataset=prompt_dataset(),
+            **{extra: value},
+        )
+
+
 def test_docstring_documents_every_dppo_field_in_groups():
     """TRL's convention: the class docstring lists each DPPO field (grouped, with its equation) and its help exists."""
     from dataclasses import fields

@@ -11,7 +11,8 @@ import os
 
 import pytest
 import torch
-from trainer_setup import logged, make_trainer
+from peft import LoraConfig
+from trainer_setup import byte_mean_reward, changed_parameters, logged, make_trainer, snapshot_trainable
 
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_KEPT_LOGPS, BEHAVIOR_KEPT_OVERFLOW
 
@@ -24,14 +25,23 @@ TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, max_steps=1, max_completion_length=16)
 # |π − μ| of a fresh rollout, fp32 trainer and engine: rounding only (tests/test_vllm_server.py uses the same bound).
 FRESH_MISMATCH = 1e-4
-CASES = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.1)}
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+# top_p also with LoRA: a frozen lm_head, the gradient reaching the adapters through the hidden states only.
+CASES = {
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.1),
+    "top_p_lora": dict(top_p=0.8, peft_config=LORA),
+}
 
 
 def _fresh_rollout(model, tmp_path, **config):
-    trainer = make_trainer(model, tmp_path, **VLLM, **config)
+    trainer = make_trainer(model, tmp_path, reward_funcs=byte_mean_reward, **VLLM, **config)
+    before = snapshot_trainable(trainer)
     records = []
     trainer.trust_region_observers.append(records.append)
     trainer.train()
+    assert changed_parameters(trainer, before), "the truncated-sampling loss moved no parameter"
     record = records[0]
     counted = record["valid"]
     mu = record["mu_logps"][counted].exp()
@@ -50,6 +60,8 @@ def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
     assert logged(trainer, "dppo/mask_ratio") == [0.0]
     assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]
     assert trainer.args.kept_set_size == (5 if case == "top_k" else 20)
+    if case.endswith("lora"):
+        assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
 
 
 def test_overflow_is_detected_and_counted(tmp_path, master_port):
