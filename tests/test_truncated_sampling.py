@@ -6,11 +6,13 @@ those that sampled) |π_kept − μ| is the engine's rounding, while the full-so
 the bias DPPO suffered before; nothing is masked, and a list too short for the kept set is detected and counted.
 """
 
+import json
 import math
 import os
 
 import pytest
 import torch
+from datasets import Dataset
 from peft import LoraConfig
 from trainer_setup import byte_mean_reward, changed_parameters, logged, make_trainer, snapshot_trainable
 
@@ -22,7 +24,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The bundled tiny math model is trained, so its distributions are peaked: truncation keeps a few tokens (a random
 # model's near-uniform distribution would keep hundreds).
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
-VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64, max_steps=1, max_completion_length=16)
+VLLM = dict(
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_max_model_length=128,
+    max_steps=1,
+    max_completion_length=32,
+    per_device_train_batch_size=8,
+    num_generations=4,
+)
+
+
+def _math_prompts(n: int = 8) -> Dataset:
+    """The bundled model's own kind of prompt (its chat template, a question it answers in a few dozen tokens)."""
+    with open(os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")) as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    return Dataset.from_dict({"prompt": [row["prompt"] for row in rows]})
+
+
 # |π − μ| of a fresh rollout, fp32 trainer and engine: rounding only (tests/test_vllm_server.py uses the same bound).
 FRESH_MISMATCH = 1e-4
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -36,7 +55,7 @@ CASES = {
 
 
 def _fresh_rollout(model, tmp_path, **config):
-    trainer = make_trainer(model, tmp_path, reward_funcs=byte_mean_reward, **VLLM, **config)
+    trainer = make_trainer(model, tmp_path, dataset=_math_prompts(), reward_funcs=byte_mean_reward, **VLLM, **config)
     before = snapshot_trainable(trainer)
     records = []
     trainer.trust_region_observers.append(records.append)
@@ -53,7 +72,7 @@ def _fresh_rollout(model, tmp_path, **config):
 @pytest.mark.parametrize("case", list(CASES))
 def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
     trainer, record, kept, full = _fresh_rollout(TINY_MODEL, tmp_path, **CASES[case])
-    print(f"{case}: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g}")
+    print(f"{case}: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g} over {int(record['valid'].sum())} tokens")
     assert kept < FRESH_MISMATCH
     # The full softmax against the renormalised μ: the bias DPPO had before, orders of magnitude above rounding.
     assert full > 100 * kept and full > 1e-3
@@ -67,7 +86,7 @@ def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
 def test_overflow_is_detected_and_counted(tmp_path, master_port):
     # A 3-entry list cannot hold top_p=0.95's kept set wherever the model is unsure: those positions are detected
     # (3 finite entries), left out of the loss and counted; the rest still match μ at rounding level.
-    trainer = make_trainer(TINY_MODEL, tmp_path, **VLLM, top_p=0.95, kept_set_logprobs=3)
+    trainer = make_trainer(TINY_MODEL, tmp_path, dataset=_math_prompts(), **VLLM, top_p=0.95, kept_set_logprobs=3)
     records, batches = [], []
     trainer.trust_region_observers.append(records.append)
     compute_loss = trainer._compute_loss
