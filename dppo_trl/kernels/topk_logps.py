@@ -283,12 +283,13 @@ class _LogpsAtIdsFromSampled(torch.autograd.Function):
         transform, chunk = ctx.transform, ctx.chunk_size
         acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
         need_h, need_w, need_b, _, _, need_lp = ctx.needs_input_grad[:6]
-        grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
-        grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b and bias is not None else None
-        grad_lp = torch.zeros(sampled_ids.shape, device=hidden.device, dtype=acc) if need_lp else None
         M = ids.shape[0]
+        # Under ZeRO-3 the head is partitioned outside the gather: its gradient is sized inside it (as TRL's head does).
         with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
+            grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
+            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b and bias is not None else None
+            grad_lp = torch.zeros(sampled_ids.shape, device=hidden.device, dtype=acc) if need_lp else None
             for t0 in range(0, M, chunk):
                 t1 = min(t0 + chunk, M)
                 chunk_ids = torch.cat([sampled_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]

@@ -626,15 +626,17 @@ class DPPOTrainer(GRPOTrainer):
         ids, mu_lists = batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS].float()
         weight, bias = self._lm_head_params()
         pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
-        pi_lists[valid] = logps_at_ids_with_grad(
-            call.hidden[valid],
-            _full(weight),
-            ids[valid],
-            ids[valid][:, 0],
-            pi_logps[valid].float(),
-            bias=_full(bias),
-            transform=self._logit_transform(),
-        )
+        # ZeRO-3: the head is gathered for the forward here and again by the gather's own backward (as TRL's head does).
+        with maybe_gather_lm_head_ctx(weight, bias):
+            pi_lists[valid] = logps_at_ids_with_grad(
+                call.hidden[valid],
+                _full(weight),
+                ids[valid],
+                ids[valid][:, 0],
+                pi_logps[valid].float(),
+                bias=_full(bias),
+                transform=self._logit_transform(),
+            )
         kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
         log_mass = kept_log_mass(pi_lists, kept)
         topk = None
