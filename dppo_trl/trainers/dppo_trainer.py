@@ -691,6 +691,14 @@ def dppo_card_section(args: DPPOConfig) -> str:
         ("ratio_cap (C)", args.ratio_cap),
         ("anchor", args.anchor),
         ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        (
+            "truncated sampling",
+            "–"
+            if args.kept_set_size is None
+            else "top_k={}, top_p={}, min_p={}: π over the engine's kept set (N = {})".format(
+                *sampling_truncation(args), args.kept_set_size
+            ),
+        ),
         ("loss_type", args.loss_type),
         ("beta", args.beta),
         ("learning_rate", args.learning_rate),
