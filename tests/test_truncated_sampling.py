@@ -16,6 +16,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from trainer_setup import byte_mean_reward, changed_parameters, logged, make_trainer, snapshot_trainable
 
+from dppo_trl.core.functional import binary_tv, trust_region_mask
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_KEPT_LOGPS, BEHAVIOR_KEPT_OVERFLOW
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,13 +45,15 @@ def _math_prompts(n: int = 8) -> Dataset:
 
 # |π − μ| of a fresh rollout, fp32 trainer and engine: rounding only (tests/test_vllm_server.py uses the same bound).
 FRESH_MISMATCH = 1e-4
+# A tight trust region, so the bias of the full softmax shows in the mask.
+DELTA = 0.01
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 # top_p also with LoRA: a frozen lm_head, the gradient reaching the adapters through the hidden states only.
 CASES = {
-    "top_k": dict(top_k=5),
-    "top_p": dict(top_p=0.8),
-    "min_p": dict(min_p=0.1),
-    "top_p_lora": dict(top_p=0.8, peft_config=LORA),
+    "top_k": dict(top_k=5, delta_low=DELTA, delta_high=DELTA),
+    "top_p": dict(top_p=0.8, delta_low=DELTA, delta_high=DELTA),
+    "min_p": dict(min_p=0.1, delta_low=DELTA, delta_high=DELTA),
+    "top_p_lora": dict(top_p=0.8, peft_config=LORA, delta_low=DELTA, delta_high=DELTA),
 }
 
 
@@ -76,7 +79,15 @@ def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
     assert kept < FRESH_MISMATCH
     # The full softmax against the renormalised μ: the bias DPPO had before, orders of magnitude above rounding.
     assert full > 100 * kept and full > 1e-3
+    # δ = 0.01 (CASES' config): π_kept never leaves the trust region on a fresh rollout; the full softmax, compared
+    # with the same μ, would have masked tokens that never moved.
     assert logged(trainer, "dppo/mask_ratio") == [0.0]
+    counted = record["valid"]
+    pi_full, mu = record["pi_full_logps"], record["mu_logps"]
+    biased_keep = trust_region_mask(pi_full, mu, record["advantages"], binary_tv(pi_full, mu), DELTA, DELTA)
+    biased_mask_ratio = (biased_keep[counted] == 0).float().mean().item()
+    print(f"{case}: mask ratio with the full softmax {biased_mask_ratio:.3g}, with pi_kept 0")
+    assert biased_mask_ratio > 0
     assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]
     assert trainer.args.kept_set_size == (5 if case == "top_k" else 20)
     if case.endswith("lora"):
