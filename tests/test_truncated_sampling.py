@@ -6,15 +6,20 @@ those that sampled) |π_kept − μ| is the engine's rounding, while the full-so
 the bias DPPO suffered before; nothing is masked, and a list too short for the kept set is detected and counted.
 """
 
-import json
 import math
 import os
 
 import pytest
 import torch
-from datasets import Dataset
 from peft import LoraConfig
-from trainer_setup import byte_mean_reward, changed_parameters, logged, make_trainer, snapshot_trainable
+from trainer_setup import (
+    byte_mean_reward,
+    changed_parameters,
+    logged,
+    make_trainer,
+    math_prompt_dataset,
+    snapshot_trainable,
+)
 
 from dppo_trl.core.functional import binary_tv, trust_region_mask
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_KEPT_LOGPS, BEHAVIOR_KEPT_OVERFLOW
@@ -36,13 +41,6 @@ VLLM = dict(
 )
 
 
-def _math_prompts(n: int = 8) -> Dataset:
-    """The bundled model's own kind of prompt (its chat template, a question it answers in a few dozen tokens)."""
-    with open(os.path.join(ROOT, "examples", "data", "tiny_math", "train.jsonl")) as f:
-        rows = [json.loads(line) for _, line in zip(range(n), f)]
-    return Dataset.from_dict({"prompt": [row["prompt"] for row in rows]})
-
-
 # |π − μ| of a fresh rollout, fp32 trainer and engine: rounding only (tests/test_vllm_server.py uses the same bound).
 FRESH_MISMATCH = 1e-4
 # A tight trust region, so the bias of the full softmax shows in the mask.
@@ -58,7 +56,9 @@ CASES = {
 
 
 def _fresh_rollout(model, tmp_path, **config):
-    trainer = make_trainer(model, tmp_path, dataset=_math_prompts(), reward_funcs=byte_mean_reward, **VLLM, **config)
+    trainer = make_trainer(
+        model, tmp_path, dataset=math_prompt_dataset(), reward_funcs=byte_mean_reward, **VLLM, **config
+    )
     before = snapshot_trainable(trainer)
     records = []
     trainer.trust_region_observers.append(records.append)
@@ -97,7 +97,9 @@ def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
 def test_overflow_is_detected_and_counted(tmp_path, master_port):
     # A 3-entry list cannot hold top_p=0.95's kept set wherever the model is unsure: those positions are detected
     # (3 finite entries), left out of the loss and counted; the rest still match μ at rounding level.
-    trainer = make_trainer(TINY_MODEL, tmp_path, dataset=_math_prompts(), **VLLM, top_p=0.95, kept_set_logprobs=3)
+    trainer = make_trainer(
+        TINY_MODEL, tmp_path, dataset=math_prompt_dataset(), **VLLM, top_p=0.95, kept_set_logprobs=3
+    )
     records, batches = [], []
     trainer.trust_region_observers.append(records.append)
     compute_loss = trainer._compute_loss
