@@ -733,7 +733,7 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             "supported yet: the engine's kept set is captured per generate call, and tool results split a completion "
             "across several. Set top_k=0, top_p=1.0, min_p=0.0 with `tools` / `environment_factory`."
         )
-    if config.use_vllm and truncates_sampling(config) and params.get("rollout_func") is not None:
+    if truncates_sampling(config) and params.get("rollout_func") is not None:
         raise ValueError(
             "Truncated sampling (top_k > 0, top_p < 1 or min_p > 0) with a `rollout_func`: the rollout returns "
             "sampled-token log-probs only, so the engine's kept set is unknown and π/μ would be biased. Sample "
