@@ -52,6 +52,10 @@ CASES = {
     "top_p": dict(top_p=0.8, delta_low=DELTA, delta_high=DELTA),
     "min_p": dict(min_p=0.1, delta_low=DELTA, delta_high=DELTA),
     "top_p_lora": dict(top_p=0.8, peft_config=LORA, delta_low=DELTA, delta_high=DELTA),
+    # Top-K TV over the kept ids (μ's lists restricted to the kept set), one generation batch split in two.
+    "top_p_topk_tv": dict(
+        top_p=0.8, divergence="topk_tv", divergence_top_k=4, steps_per_generation=2, delta_low=DELTA, delta_high=DELTA
+    ),
 }
 
 
@@ -90,6 +94,8 @@ def test_fresh_rollout_pi_kept_matches_mu(tmp_path, master_port, case):
     assert biased_mask_ratio > 0
     assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]
     assert trainer.args.kept_set_size == (5 if case == "top_k" else 20)
+    if case == "top_p_topk_tv":
+        assert logged(trainer, "dppo/divergence_max")[0] < 1e-4  # D over the kept lists: rounding only
     if case.endswith("lora"):
         assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
 
