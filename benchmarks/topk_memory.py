@@ -24,6 +24,10 @@ the sampled id's log-probability gets a gradient, the K others feed a detached m
 - `topk_fused` (design A): `fused_linear_logps_at_ids` on all K + 1 ids, gradient through column 0.
 - `binary_trl`: binary DPPO, TRL's `ChunkedLogProbFunction` for the sampled id only.
 - `binary_fused`: binary DPPO with `fused_linear_logps_at_ids` on the sampled id only (J = 1, same tiling as A).
+- `kept_set`: binary DPPO under truncated sampling (top-k / top-p / min-p): `binary_trl` for the sampled id, plus
+  `logps_at_ids_with_grad` at the K + 1 listed ids (the engine's kept-set list, row r keeping its first
+  `1 + r mod (K + 1)`) and the gradient through log π_kept = log π(y) − logsumexp over the kept ids, as the trainer
+  computes it. Compared with `binary_trl`, the untruncated binary loss.
 
 Memory is the increase of the process's peak RSS (Linux `VmHWM`, reset through `/proc/self/clear_refs` right before
 the measured step) over the RSS just before it, so it counts every transient of the step plus the gradients it
@@ -32,6 +36,7 @@ the step) over the allocated memory just before it, and times are taken after `t
 Prints one JSON object to stdout (library notices go to stderr) and exits 1 when a variant failed.
 
     .venv/bin/python benchmarks/topk_memory.py [--n-tokens 2048 --hidden 512 --vocab 151936 --k 20]
+    .venv/bin/python benchmarks/topk_memory.py --variants binary_trl,kept_set   # truncated sampling's cost
     python benchmarks/topk_memory.py --device cuda --dtype bfloat16   # GPU (scripts/gpu_check.sh)
 """
 
@@ -47,7 +52,7 @@ import time
 
 from dppo_dev.bench_env import emit_json, load_average, stdout_to_stderr
 
-VARIANTS = ("naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused")
+VARIANTS = ("naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused", "kept_set")
 
 
 def parse_args(argv=None):
@@ -133,9 +138,10 @@ class _RssSampler(threading.Thread):
 def _make_step(variant, args, torch, timings):
     # Import only what the variant runs, so the naive and fused workers do not pay for TRL's import
     from dppo_dev.topk_reference import fused_linear_logps_at_ids, naive_logps_at_ids
-    from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled
+    from dppo_trl.core.functional import kept_log_mass
+    from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
 
-    if variant in ("topk_anchor", "binary_trl"):
+    if variant in ("topk_anchor", "binary_trl", "kept_set"):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
     transform = LogitTransform(temperature=args.temperature)
@@ -175,6 +181,15 @@ def _make_step(variant, args, torch, timings):
             loss = dppo_loss(logps[:, 0], logps[:, 1:].detach(), advantages)
         elif variant == "binary_trl":
             loss = dppo_loss(trl_sampled(hidden, weight, ids), None, advantages)
+        elif variant == "kept_set":
+            logp = trl_sampled(hidden, weight, ids)
+            listed = logps_at_ids_with_grad(
+                hidden, weight, ids, ids[:, 0], logp, transform=transform, chunk_size=args.anchor_chunk or None
+            )
+            slots = torch.arange(ids.shape[1], device=ids.device)
+            rows = torch.arange(ids.shape[0], device=ids.device)
+            kept = slots.unsqueeze(0) <= (rows % ids.shape[1]).unsqueeze(1)
+            loss = dppo_loss(logp - kept_log_mass(listed, kept), None, advantages)
         elif variant == "binary_fused":
             logps = fused_linear_logps_at_ids(
                 hidden,
@@ -379,7 +394,7 @@ def _measure(args, argv):
             round(gather / tim("binary_trl"), 4) if tim("binary_trl") else None
         )
     ran = set(variants)
-    for ours in ("topk_anchor", "topk_fused"):
+    for ours in ("topk_anchor", "topk_fused", "kept_set"):
         if ours not in ran:
             continue
         # Only the comparisons whose variants were asked for: a null here means one of them failed.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from datasets import Dataset
 
@@ -28,6 +31,15 @@ def prompt_dataset(conversational: bool = False) -> Dataset:
     if conversational:
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
     return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def math_prompt_dataset(n: int = 8) -> Dataset:
+    """The bundled tiny math model's own kind of prompt (examples/data/tiny_math, its chat template): questions it
+    answers in a few dozen tokens from a peaked distribution, so truncated sampling keeps few tokens."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data", "tiny_math")
+    with open(os.path.join(path, "train.jsonl")) as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    return Dataset.from_dict({"prompt": [row["prompt"] for row in rows]})
 
 
 def small_config(output_dir, **overrides) -> DPPOConfig:

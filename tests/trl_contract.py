@@ -44,6 +44,7 @@ TRAINER_ATTRIBUTES = (
     "off_policy_mask_threshold",
     "_metrics",
     "current_gradient_accumulation_steps",
+    "top_entropy_quantile",  # truncated sampling: the kept-set correction is part of the policy term (entropy mask)
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
 
@@ -56,6 +57,10 @@ COMPUTE_LOSS_FRAGMENTS = (
     "per_token_loss = per_token_loss * off_policy_mask",
     "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
     "if advantages.dim() == 1:",
+    # Truncated sampling: DPPOTrainer adds `LossOutputs.kept_correction` (part of the policy term) next to the parent's
+    # loss and applies the same entropy mask to it, recomputed with the parent's own method and arguments.
+    "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)",
+    "per_token_loss = per_token_loss * entropy_mask",
 )
 # GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.loss.aggregate_per_token_loss` reproduces for the
 # μ-KL term (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the multi-process scaling too).
@@ -88,7 +93,14 @@ VLLM_GENERATE_PARAMS = ("self", "prompts", "images", "num_generations", "profile
 VLLM_GENERATE_FRAGMENTS = (
     '"logprobs": self.logprobs',
     "return prompt_ids, completion_ids, logprobs, logprob_token_ids",
+    # Truncated sampling: `generation_kwargs` override the config's top_k/top_p/min_p, which
+    # `dppo_trl.trainers.config.sampling_truncation` reads in the same order.
+    "generation_kwargs.update(self.generation_kwargs)",
 )
+# The colocate engine's log-probs are vLLM's processed ones: computed after top-k/top-p/min-p, so a dropped token is
+# `-inf` in the lists and the finite entries are the sampler's kept set (dppo_trl/trainers/kept_set.py). Removed by:
+# nothing in TRL; vLLM's `return_sampling_mask` (GPU, Model Runner V2) would make the lists unnecessary.
+VLLM_COLOCATE_LOGPROBS_MODE = 'logprobs_mode="processed_logprobs"'
 GENERATE_SINGLE_TURN_FRAGMENTS = (
     "_, completion_ids, logprobs, _ = self.vllm_generation.generate(",
     "logprobs = [[lp[0] for lp in seq] for seq in logprobs]",

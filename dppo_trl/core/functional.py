@@ -6,7 +6,8 @@ arXiv 2602.04879, eqs. 11-16), top to bottom in the paper's terms. Everything DP
 - eq. 11, the objective: `dppo_coefficient` — per completion token, `loss_t = −A_t · sg(w_t) · log π(y_t)` with
   `w_t = min(π/μ, C) · M_t`;
 - the optional μ-KL penalty `τ · (log π − log μ)²` that prime-rl pairs with DPPO: `mu_kl_penalty`;
-- what μ may be: `sanitize_behavior_logps`.
+- what μ may be: `sanitize_behavior_logps`;
+- truncated sampling (top-k / top-p / min-p), π over the engine's kept set: `kept_log_mass`, `restrict_topk_to_kept`.
 
 `dppo_trl.core.loss.policy_loss` assembles them into one loss call (D computed once, shared by the coefficient, the
 metrics and the observers).
@@ -301,6 +302,42 @@ def mu_kl_penalty(pi_logps: Tensor, mu_logps: Tensor, coef: float) -> Tensor:
     dtype = compute_dtype(pi_logps, mu_logps)
     log_ratio = pi_logps.to(dtype) - mu_logps.detach().to(dtype)
     return coef * log_ratio.square()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Truncated sampling: π over the engine's kept set
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def kept_log_mass(logps_at_ids: Tensor, kept: Tensor) -> Tensor:
+    """log Σ_{k ∈ kept} π(k): the log of the probability π gives the tokens the engine's sampler kept.
+
+    `logps_at_ids` `(..., J)` are π's full-softmax log-probs at the engine's listed ids, `kept` `(..., J)` bool marks
+    the ids the sampler kept (top-k / top-p / min-p survivors, the sampled token among them). Then
+
+        log π_kept(y) = log π(y) − kept_log_mass,
+
+    the renormalised π the engine's processed log-prob μ_kept is to be compared with. Differentiable (the gradient
+    flows through every kept id's log-prob); a row with no kept id gives 0 (and a zero gradient), never NaN.
+    """
+    dtype = compute_dtype(logps_at_ids)
+    any_kept = kept.any(-1, keepdim=True)
+    # Rows without a kept id take finite stand-ins, so neither the value nor the gradient of logsumexp is NaN there.
+    masked = torch.where(kept, logps_at_ids.to(dtype), torch.full((), -math.inf, dtype=dtype, device=kept.device))
+    masked = torch.where(any_kept, masked, torch.zeros((), dtype=dtype, device=kept.device))
+    return torch.where(
+        any_kept.squeeze(-1), torch.logsumexp(masked, dim=-1), torch.zeros((), dtype=dtype, device=kept.device)
+    )
+
+
+def restrict_topk_to_kept(pi_topk_logps: Tensor, mu_topk_logps: Tensor, log_mass: Tensor) -> Tensor:
+    """π's top-K lists `(..., J)` as π_kept: `log π(k) − log_mass` where μ lists a kept token (finite), `-inf` (a
+    probability of 0, like μ's) at ids the sampler dropped. μ's lists are the engine's processed log-probs, already
+    renormalised over the kept set, so the top-K divergences then compare two distributions over the same support."""
+    dtype = compute_dtype(pi_topk_logps, mu_topk_logps)
+    kept = torch.isfinite(mu_topk_logps)
+    shifted = pi_topk_logps.to(dtype) - log_mass.to(dtype).unsqueeze(-1)
+    return torch.where(kept, shifted, torch.full((), -math.inf, dtype=dtype, device=shifted.device))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

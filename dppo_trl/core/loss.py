@@ -10,6 +10,11 @@ For each counted completion token t (a loss token whose μ the engine reported v
     loss_t = −A_t · w_t · exp(log π − sg(log π))             value −A_t·w_t, gradient −A_t·w_t·∇log π (eq. 11)
     kl_t   = τ · (log π − log μ)²                            the optional μ-KL term (`mu_kl_coef`)
 
+With truncated sampling (top-k / top-p / min-p) μ is the engine's log-prob renormalised over the tokens its sampler
+kept, so π is compared as π_kept(y) = π(y) / π(kept) (`LossInputs.kept_log_mass`): every π above is then π_kept, the
+gradient flows through log π_kept, and positions whose kept set the engine could not list (`kept_overflow`) are left
+out like an invalid μ. Without a kept set nothing here changes.
+
 Every baseline of the registry is another `w_t` on the same path. The trainers aggregate `loss_t` (and `kl_t`) the
 way their parent aggregates its policy term:
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dppo_trl.core.functional import compute_divergence, mu_kl_penalty
+from dppo_trl.core.functional import compute_divergence, mu_kl_penalty, restrict_topk_to_kept
 from dppo_trl.core.metrics import trust_region_stats
 from dppo_trl.core.registry import CoefficientInputs
 from dppo_trl.core.spec import TrustRegionSpec
@@ -53,6 +58,13 @@ class LossInputs:
             absent under a top-K divergence, μ ≡ π is assumed and the binary form (which gives the same D = 0) is used.
         entropies: the policy's entropy per token (for `dppo/masked_entropy_mean`).
         staleness: ints in the tokens' shape (or one per sequence), policy versions between sampling and this step.
+        kept_log_mass: truncated sampling only: log π(kept), the log of the probability π gives the tokens the engine's
+            sampler kept at that position (`functional.kept_log_mass`), with its graph; the trust region then compares
+            log π_kept = `pi_logps − kept_log_mass` with μ, and the top-K lists are restricted to the kept ids.
+            `None` (untruncated sampling): π is the full softmax, bit for bit as without this field.
+        kept_overflow: bool, truncated sampling only: the engine's list may not hold the whole kept set, so π_kept is
+            unknown there; such tokens are not counted (weight 0, like an invalid μ) and are reported in
+            `dppo/kept_set_overflow_ratio`.
     """
 
     pi_logps: Tensor
@@ -65,11 +77,23 @@ class LossInputs:
     mu_topk_logps: Tensor | None = None
     entropies: Tensor | None = None
     staleness: Tensor | None = None
+    kept_log_mass: Tensor | None = None
+    kept_overflow: Tensor | None = None
 
     @property
     def counted(self) -> Tensor:
-        """Tokens that enter the trust region and its metrics: counted by the loss and with a valid μ."""
-        return self.tokens.bool() & self.valid.bool()
+        """Tokens that enter the trust region and its metrics: counted by the loss, with a valid μ and (truncated
+        sampling) a kept set the engine listed in full."""
+        counted = self.tokens.bool() & self.valid.bool()
+        return counted if self.kept_overflow is None else counted & ~self.kept_overflow.bool()
+
+    @property
+    def compared_logps(self) -> Tensor:
+        """log π as the trust region compares it with μ, with its graph: log π_kept under truncated sampling,
+        `pi_logps` itself (the same tensor) otherwise."""
+        if self.kept_log_mass is None:
+            return self.pi_logps
+        return self.pi_logps.float() - self.kept_log_mass.float()
 
     @property
     def has_topk(self) -> bool:
@@ -94,6 +118,9 @@ class LossOutputs:
         divergence: D(π, μ) (float32, detached), computed once for the coefficient, the stats and the observers.
         stats: this process's 0-dim sums and maxima behind the `dppo/*` metrics (`metrics.trust_region_metrics`
             reduces them across processes).
+        kept_correction: truncated sampling only: `A · w · (L − sg L)` with `L = kept_log_mass`, value 0, gradient
+            `A·w·∇log π(kept)`. An adapter whose parent already produces `−A·w·∇log π` (`DPPOTrainer`) adds it,
+            aggregated like the policy term, to get eq. 11's `−A·w·∇log π_kept`. `None` without a kept set.
     """
 
     policy_loss: Tensor
@@ -101,17 +128,21 @@ class LossOutputs:
     coef: Tensor
     divergence: Tensor
     stats: dict[str, Tensor]
+    kept_correction: Tensor | None = None
 
 
 def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
     """DPPO's per-token loss (eq. 11 with the trust region `spec.trust_region`) for one loss call."""
+    compared = inputs.compared_logps
     with torch.no_grad():
-        pi = inputs.pi_logps.detach().float()
+        pi = compared.detach().float()
         counted = inputs.counted
         mu = inputs.mu_logps.detach().float()
         adv = inputs.token_advantages()
         name = spec.effective_divergence(inputs.has_topk)
         pi_topk, mu_topk = (inputs.pi_topk_logps, inputs.mu_topk_logps) if name.startswith("topk_") else (None, None)
+        if pi_topk is not None and mu_topk is not None and inputs.kept_log_mass is not None:
+            pi_topk = restrict_topk_to_kept(pi_topk, mu_topk, inputs.kept_log_mass.detach())
         divergence = compute_divergence(
             name,
             pi,
@@ -127,14 +158,25 @@ def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
         coef = torch.where(counted, coef.clamp(max=max(COEF_MAX, spec.ratio_cap)), torch.zeros_like(coef))
         stats = trust_region_stats(spec, inputs, coef, divergence, name)
 
-    pi_grad = inputs.pi_logps.float()
+    pi_grad = compared.float()
     per_token = -adv * coef * torch.exp(pi_grad - pi_grad.detach())
     mu_kl = None
     if spec.mu_kl_coef > 0:
         # μ := π outside `counted` first: a NaN there would otherwise reach the gradient (0 · NaN) through `where`.
         safe_mu = torch.where(counted, mu, pi)
         mu_kl = torch.where(counted, mu_kl_penalty(pi_grad, safe_mu, spec.mu_kl_coef), torch.zeros_like(pi))
-    return LossOutputs(policy_loss=per_token, mu_kl=mu_kl, coef=coef, divergence=divergence, stats=stats)
+    kept_correction = None
+    if inputs.kept_log_mass is not None:
+        log_mass = inputs.kept_log_mass.float()
+        kept_correction = adv * coef * (log_mass - log_mass.detach())
+    return LossOutputs(
+        policy_loss=per_token,
+        mu_kl=mu_kl,
+        coef=coef,
+        divergence=divergence,
+        stats=stats,
+        kept_correction=kept_correction,
+    )
 
 
 def opened_clip_weight(coef: Tensor, pi_logps: Tensor, parent_old_logps: Tensor) -> Tensor:

@@ -47,7 +47,8 @@ def trust_region_stats(
     """This process's 0-dim sums (`sum/…` keys) and maxima (`max/…` keys) behind the `dppo/*` metrics.
 
     Token sums run over counted tokens with a valid μ (`view.counted`); `sum/tokens_all` and `sum/invalid` count
-    every loss token and those with an invalid μ. With `spec.mu_kl_coef > 0`, `sum/mu_kl` is Σ (log π − log μ)².
+    every loss token and those with an invalid μ. Under truncated sampling π is π_kept (`view.compared_logps`) and
+    `sum/kept_overflow` counts the loss tokens whose kept set the engine could not list. With `spec.mu_kl_coef > 0`, `sum/mu_kl` is Σ (log π − log μ)².
 
     When `view.staleness` is set, each staleness value s in `0..max_staleness` gets three sums:
     `sum/staleness_{s}/tokens`, `sum/staleness_{s}/masked` (tokens with coef = 0) and `sum/staleness_{s}/mismatch`
@@ -55,7 +56,7 @@ def trust_region_stats(
     in order): `spec.max_staleness`, the trainer's (`AsyncGRPOConfig.max_staleness`); `None` uses this call's own
     maximum (one process only).
     """
-    pi = view.pi_logps.detach().float()
+    pi = view.compared_logps.detach().float()
     counted = view.counted
     mu = torch.where(counted, view.mu_logps.detach().float(), pi)  # no NaN of an uncounted token in any sum
     adv = view.token_advantages()
@@ -90,6 +91,8 @@ def trust_region_stats(
     }
     if view.entropies is not None:
         stats["sum/masked_entropy"] = (view.entropies.detach().float() * masked).sum()
+    if view.kept_overflow is not None:
+        stats["sum/kept_overflow"] = (view.tokens.bool() & view.kept_overflow.bool()).float().sum()
     if spec.mu_kl_coef > 0:
         stats["sum/mu_kl"] = torch.where(counted, log_ratio.square(), zero).sum()
     if view.staleness is not None:
@@ -144,6 +147,8 @@ def trust_region_metrics(
         metrics["dppo/masked_mu_prob_mean"] = ratio("masked_mu_prob", "masked")
         if "sum/masked_entropy" in sums:
             metrics["dppo/masked_entropy_mean"] = ratio("masked_entropy", "masked")
+    if "sum/kept_overflow" in sums:
+        metrics["dppo/kept_set_overflow_ratio"] = ratio("kept_overflow", "tokens_all")
     if "sum/mu_kl" in sums:
         metrics["dppo/mu_kl_mean"] = ratio("mu_kl", "tokens")
     s = 0
@@ -159,13 +164,14 @@ def trust_region_metrics(
 
 def observer_record(view: LossInputs, coef: Tensor, divergence: Tensor) -> dict[str, Tensor | None]:
     """The per-token dict `trust_region_observers` receive (trainers add `completion_ids` and `mode`): `valid`
-    (counted tokens with a valid μ), `keep` (1 kept / 0 masked), `pi_logps`, `mu_logps`, `advantages` (`(B, T)`),
-    `divergence`, `entropies`, `staleness`."""
-    pi = view.pi_logps.detach().float()
+    (counted tokens with a valid μ), `keep` (1 kept / 0 masked), `pi_logps` (π as compared with μ: π_kept under
+    truncated sampling), `pi_full_logps` (the full softmax), `mu_logps`, `advantages` (`(B, T)`), `divergence`,
+    `entropies`, `staleness`."""
     return {
         "valid": view.counted,
         "keep": (coef > 0).float(),
-        "pi_logps": pi,
+        "pi_logps": view.compared_logps.detach().float(),
+        "pi_full_logps": view.pi_logps.detach().float(),
         "mu_logps": view.mu_logps.detach().float(),
         "advantages": view.token_advantages(),
         "divergence": divergence,

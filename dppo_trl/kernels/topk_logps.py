@@ -23,6 +23,9 @@ float64 inputs, for `gradcheck`); id slots set to a negative value (padding) giv
 
 - [`logps_at_ids_from_sampled`]: no-grad, `J + 1` dot products per row, from a log-probability already known for one
   id per row (design B: the log-partition cancels).
+- [`logps_at_ids_with_grad`]: the same `J + 1` dot products per row, differentiable (hidden, weight, bias and the
+  known log-prob), with a chunked backward: π at the engine's kept ids under truncated sampling, whose gradient the
+  loss needs (`dppo_trl.core.functional.kept_log_mass`).
 - [`chunked_topk_logps`]: no-grad top-k of the full distribution with an online logsumexp over vocabulary tiles.
 
 The differentiable fused gather (design A) and the full-logits references, used only by the tests and
@@ -253,6 +256,111 @@ def logps_at_ids_from_sampled(
             logps = z[:, 1:] - z[:, :1] + sampled_logps[t0:t1, None].to(acc)
             out[t0:t1] = logps.masked_fill_(pad[:, 1:] | pad[:, :1], -math.inf)
     return out
+
+
+class _LogpsAtIdsFromSampled(torch.autograd.Function):
+    """`z_k − z_y + log π(y)` at `ids` with its gradient; forward and backward hold one token chunk of gathered rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size):
+        out = logps_at_ids_from_sampled(
+            hidden.detach(),
+            weight.detach(),
+            ids,
+            sampled_ids,
+            sampled_logps.detach(),
+            bias=None if bias is None else bias.detach(),
+            transform=transform,
+            chunk_size=chunk_size,
+        )
+        ctx.save_for_backward(hidden, weight, bias, ids, sampled_ids)
+        ctx.transform, ctx.chunk_size, ctx.lp_dtype = transform, chunk_size, sampled_logps.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, ids, sampled_ids = ctx.saved_tensors
+        transform, chunk = ctx.transform, ctx.chunk_size
+        acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+        need_h, need_w, need_b, _, _, need_lp = ctx.needs_input_grad[:6]
+        M = ids.shape[0]
+        # Under ZeRO-3 the head is partitioned outside the gather: its gradient is sized inside it (as TRL's head does).
+        with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
+            grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
+            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b and bias is not None else None
+            grad_lp = torch.zeros(sampled_ids.shape, device=hidden.device, dtype=acc) if need_lp else None
+            for t0 in range(0, M, chunk):
+                t1 = min(t0 + chunk, M)
+                chunk_ids = torch.cat([sampled_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]
+                pad = chunk_ids < 0
+                dead = pad[:, :1] | pad[:, 1:]  # output slots that are -inf: no gradient
+                g = torch.where(dead, torch.zeros((), dtype=acc, device=hidden.device), grad_out[t0:t1].to(acc))
+                # d/dz_k = g_k for the listed ids, d/dz_y = −Σ g_k, d/d log π(y) = Σ g_k
+                g_sum = g.sum(dim=1, keepdim=True)
+                if grad_lp is not None:
+                    grad_lp[t0:t1] = g_sum.squeeze(1)
+                if grad_h is None and grad_w is None and grad_b is None:
+                    continue
+                dz = torch.cat([-g_sum, g], dim=1)
+                safe_ids = chunk_ids.clamp(min=0)
+                w = weight[safe_ids].to(acc)  # [n, J + 1, H]
+                h = hidden[t0:t1].to(acc)
+                tanh = None
+                if transform.softcap is not None:
+                    s = torch.bmm(w, h.unsqueeze(-1)).squeeze(-1)
+                    if bias is not None:
+                        s.add_(bias.to(acc)[safe_ids])
+                    _, tanh = transform.apply_(s, keep_tanh=True)
+                ds = transform.backward_(dz, tanh).masked_fill_(pad, 0.0)
+                if grad_h is not None:
+                    grad_h[t0:t1] = torch.bmm(ds.unsqueeze(1), w).squeeze(1)
+                if grad_w is not None:
+                    grad_w.index_add_(
+                        0, safe_ids.reshape(-1), (ds.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, h.shape[1])
+                    )
+                if grad_b is not None:
+                    grad_b.index_add_(0, safe_ids.reshape(-1), ds.reshape(-1))
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None if grad_lp is None else grad_lp.to(ctx.lp_dtype),
+            None,
+            None,
+        )
+
+
+def logps_at_ids_with_grad(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = LogitTransform(),
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """
+    [`logps_at_ids_from_sampled`] with a gradient: `log π(k) = z_k − z_y + log π(y)` flows into `hidden`, `weight`,
+    `bias` and `sampled_logps` (the fused head's log π(y), which carries the gradient of log Z).
+
+    So `logsumexp` over a set of these log-probs has the exact gradient of `log Σ_k π(k)`, without the `[M, V]`
+    logits: the backward recomputes each chunk's `J + 1` gathered rows (same `chunk_size` bound as the forward) and
+    scatter-adds into one weight gradient. Used for π at the engine's kept ids under truncated sampling.
+
+    Returns:
+        `torch.Tensor`: `[M, J]` float32 log-probabilities (`-inf`, with zero gradient, at padding ids).
+    """
+    _check_inputs(hidden, weight, bias)
+    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
+    if chunk_size is None:
+        chunk_size = max(1, _GATHER_CHUNK_BYTES // ((ids.shape[1] + 1) * hidden.shape[1] * 4))
+    return _LogpsAtIdsFromSampled.apply(hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

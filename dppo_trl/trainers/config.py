@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from trl import GRPOConfig
 
@@ -22,17 +23,65 @@ SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")
 
 
-def warn_truncated_sampling(config: Any) -> None:
-    """Warn about sampling options that bias μ against π (both configs call it)."""
-    if config.top_p < 1.0 or config.top_k > 0 or (config.min_p or 0.0) > 0.0 or config.repetition_penalty != 1.0:
-        warnings.warn(
-            f"Sampling with top_p={config.top_p}, top_k={config.top_k}, min_p={config.min_p}, "
-            f"repetition_penalty={config.repetition_penalty} truncates or reshapes the engine's distribution, so its "
-            "log-probs μ are renormalised over the kept tokens while π is the full softmax: π/μ and |π−μ| are "
-            "biased and the trust region masks the wrong tokens. Keep top_p=1.0, top_k=0, min_p=0 and "
-            "repetition_penalty=1.0 for DPPO (see docs/theory.md).",
-            UserWarning,
-            stacklevel=4,
+# Kept-set size N asked of a `trl vllm-serve` / CPU server when neither `kept_set_logprobs` nor a fitting top_k says;
+# fixed (not read from the server) so every process shapes μ's lists alike. Larger kept sets are counted as overflow.
+KEPT_SET_SERVER_LOGPROBS = 64
+# Sampling options that reshape the engine's distribution without truncating it: vLLM's processed log-probs μ include
+# them, π does not, and no kept set can express the difference.
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _generation_kwargs(config: Any) -> dict:
+    kwargs = getattr(config, "generation_kwargs", None) or {}
+    return json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)
+
+
+def sampling_truncation(config: Any) -> tuple[int, float, float]:
+    """`(top_k, top_p, min_p)` the engine samples with: the config's fields, overridden by `generation_kwargs` (as TRL
+    builds vLLM's `SamplingParams`); `top_k ≤ 0` means no top-k."""
+    extra = _generation_kwargs(config)
+    top_k = extra.get("top_k", config.top_k)
+    top_p = extra.get("top_p", config.top_p)
+    min_p = extra.get("min_p", config.min_p)
+    return (int(top_k) if top_k is not None else 0, 1.0 if top_p is None else float(top_p), float(min_p or 0.0))
+
+
+def truncates_sampling(config: Any) -> bool:
+    """Whether the engine samples from a truncated distribution (top-k, top-p or min-p)."""
+    top_k, top_p, min_p = sampling_truncation(config)
+    return top_k > 0 or top_p < 1.0 or min_p > 0.0
+
+
+def check_sampling(config: Any, kept_set_supported: bool) -> None:
+    """Refuse the sampling options whose μ the trainer cannot compare with π (both configs call it).
+
+    Truncation (top-k / top-p / min-p) is supported where the trainer compares π over the engine's kept set
+    (`kept_set_supported`, DPPOTrainer with a vLLM engine); penalties reshape μ in a way π does not follow, so they
+    are refused wherever μ is the engine's. With transformers generation (`use_vllm=False`) μ is the trainer's own
+    full softmax, so neither biases the comparison.
+    """
+    engine_mu = getattr(config, "use_vllm", True) and getattr(config, "anchor", "behavior") == "behavior"
+    if not engine_mu:
+        return
+    extra = _generation_kwargs(config)
+    for name in _PENALTIES:
+        value = extra.get(name, getattr(config, name, None))
+        neutral = 1.0 if name == "repetition_penalty" else 0.0
+        if value is None or value == neutral:
+            continue
+        raise ValueError(
+            f"{name}={value} reshapes the engine's distribution by token history: vLLM's processed log-probs μ "
+            "include the penalty, the trainer's π does not, so π/μ and D(π, μ) are biased at every penalised token "
+            f"and the trust region masks tokens that never moved. Set {name}={neutral} for DPPO (see docs/theory.md, 'Truncated sampling')."
+        )
+    if truncates_sampling(config) and not kept_set_supported:
+        top_k, top_p, min_p = sampling_truncation(config)
+        raise ValueError(
+            f"Sampling with top_k={top_k}, top_p={top_p}, min_p={min_p} renormalises the engine's μ over the tokens "
+            f"its sampler kept, and {type(config).__name__} cannot yet compare π over that kept set (the "
+            "asynchronous rollout worker does not carry μ's log-prob lists to the trainer), so π/μ would be biased. "
+            "Set top_k=0, top_p=1.0, min_p=0.0, or use DPPOTrainer, which supports truncated sampling "
+            "(docs/theory.md, 'Truncated sampling')."
         )
 
 
@@ -43,6 +92,9 @@ class TrustRegionFields:
     `trust_region_spec()` validates them into the frozen `TrustRegionSpec` the loss reads; each config calls it in
     `__post_init__` and keeps the resolved δs.
     """
+
+    # Whether the config's trainer compares π over the engine's kept set under truncated sampling.
+    kept_set_supported: ClassVar[bool] = False
 
     divergence: str = field(
         default="binary_tv",
@@ -134,7 +186,7 @@ class TrustRegionFields:
             raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
         spec = self.trust_region_spec()
         self.delta_low, self.delta_high = spec.delta_low, spec.delta_high
-        warn_truncated_sampling(self)
+        check_sampling(self, self.kept_set_supported)
 
 
 @dataclass
@@ -167,6 +219,12 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
         mu_kl_coef (`float`, *optional*, defaults to `0.0`):
             τ of the μ-KL penalty `τ · (log π − log μ)²` added to every valid completion token's loss (prime-rl's
             `kl_tau`, 1e-3 there) and aggregated like the policy term. `0.0` turns it off. Finite and ≥ 0.
+
+        kept_set_logprobs (`int` or `None`, *optional*, defaults to `None`):
+            Truncated sampling (top_k > 0, top_p < 1 or min_p > 0) with vLLM: how many log-probs N the engine lists
+            per token, from which the kept set is read. `None`: `top_k` when it fits the engine's limit (the kept set
+            then always fits), else the limit (20 in colocate mode, 64 in server mode). Positions whose kept set may
+            exceed N are left out of the loss and counted in `dppo/kept_set_overflow_ratio`.
 
         > Parameters that define the anchor (where μ comes from)
 
@@ -211,6 +269,16 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
             "it may be enabled to study the decoupled variant."
         },
     )
+    kept_set_logprobs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated sampling (top_k > 0, top_p < 1 or min_p > 0) with vLLM: the number N of log-probs the "
+            "engine lists per token; the finite ones are the tokens its sampler kept, over which π is renormalised to "
+            "compare with μ. `None`: `top_k` when it fits the engine's limit, else the limit (20 in colocate mode, "
+            f"{KEPT_SET_SERVER_LOGPROBS} in server mode; the server's `--max-logprobs` must allow it). Positions "
+            "whose kept set may exceed N are left out of the loss and counted in `dppo/kept_set_overflow_ratio`."
+        },
+    )
     vllm_server_request_timeout: float | None = field(
         default=1800.0,
         metadata={
@@ -240,12 +308,48 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
         },
     )
 
+    kept_set_supported: ClassVar[bool] = True
+
     def __post_init__(self):
         super().__post_init__()
         self._resolve_trust_region()
         self._validate_dppo()
 
+    @property
+    def kept_set_size(self) -> int | None:
+        """N, the log-probs per token the vLLM engine lists so the trainer can read its sampler's kept set; `None`
+        when π needs no kept set (untruncated sampling, transformers generation, or `anchor='recompute'`)."""
+        if not (self.use_vllm and self.anchor == "behavior" and truncates_sampling(self)):
+            return None
+        limit = VLLM_COLOCATE_MAX_LOGPROBS if self.vllm_mode == "colocate" else KEPT_SET_SERVER_LOGPROBS
+        top_k = sampling_truncation(self)[0]
+        n = self.kept_set_logprobs or (top_k if 0 < top_k <= limit else limit)
+        return max(n, self.divergence_top_k) if self.uses_top_k else n
+
     def _validate_dppo(self) -> None:
+        if self.kept_set_logprobs is not None:
+            if self.kept_set_logprobs < 1:
+                raise ValueError(f"kept_set_logprobs must be ≥ 1 or None, got {self.kept_set_logprobs}.")
+            if self.use_vllm and self.vllm_mode == "colocate" and self.kept_set_logprobs > VLLM_COLOCATE_MAX_LOGPROBS:
+                raise ValueError(
+                    f"kept_set_logprobs={self.kept_set_logprobs} exceeds vLLM's `max_logprobs` "
+                    f"({VLLM_COLOCATE_MAX_LOGPROBS}), which TRL's colocate engine does not raise. Use "
+                    f"kept_set_logprobs ≤ {VLLM_COLOCATE_MAX_LOGPROBS}, or vllm_mode='server' with `--max-logprobs`."
+                )
+        n = self.kept_set_size
+        top_k, top_p, min_p = sampling_truncation(self)
+        if n is not None and top_k > n and top_p >= 1.0 and min_p <= 0.0:
+            raise ValueError(
+                f"top_k={top_k} keeps {top_k} tokens at every position, more than the {n} log-probs the engine lists "
+                "per token, so no position's kept set would be known and every token would be left out of the loss. "
+                f"Use top_k ≤ {n}"
+                + (
+                    f" (TRL's colocate engine lists at most {VLLM_COLOCATE_MAX_LOGPROBS}), or vllm_mode='server' "
+                    "with `--max-logprobs` and kept_set_logprobs ≥ top_k."
+                    if self.vllm_mode == "colocate"
+                    else ", or kept_set_logprobs ≥ top_k (with the server's `--max-logprobs` ≥ it)."
+                )
+            )
         if self.uses_top_k:
             if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(

@@ -48,7 +48,7 @@ from dppo_trl.backends.cpu.engine import EngineOptions
 from dppo_trl.backends.cpu.http import bound_server_requests
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
-from dppo_trl.core.functional import sanitize_behavior_logps
+from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
 from dppo_trl.core.metrics import observer_record
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
@@ -56,8 +56,14 @@ from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
 from dppo_trl.hardening.model_card import dataset_for_card, finish_model_card
 from dppo_trl.hardening.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
-from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps, logps_at_ids_from_sampled
-from dppo_trl.trainers.config import DPPOConfig
+from dppo_trl.kernels.topk_logps import (
+    LogitTransform,
+    chunked_topk_logps,
+    logps_at_ids_from_sampled,
+    logps_at_ids_with_grad,
+)
+from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
+from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
@@ -72,6 +78,11 @@ BEHAVIOR_VALID = "dppo_behavior_valid"
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 RECOMPUTED_LOGPS = "dppo_recomputed_logps"  # π_old, kept only for the ablations that need it
+# Truncated sampling: the engine's N-entry lists (`VLLMTopKCapture` slots), whose finite entries are the kept set, and
+# the positions where the kept set may exceed the list.
+BEHAVIOR_KEPT_IDS = "dppo_behavior_kept_ids"
+BEHAVIOR_KEPT_LOGPS = "dppo_behavior_kept_logps"
+BEHAVIOR_KEPT_OVERFLOW = "dppo_behavior_kept_overflow"
 
 
 @dataclass
@@ -79,13 +90,15 @@ class _LossCall:
     """What one DPPOTrainer call into the parent hands the parent's seams, and what they hand back.
 
     Attributes:
-        want_hidden: the log-prob pass keeps the final hidden states (top-K divergences).
+        want_hidden: the log-prob pass keeps the final hidden states (top-K divergences, kept set).
+        hidden_with_graph: ... with their graph (the kept set's log-mass needs the gradient of π at the kept ids).
         batch: loss calls only: the batch (μ, its validity, π_old, μ's top-K).
         hidden, entropies: written by the log-prob pass.
         inputs, outputs, mask: written by the mask hook: the core's inputs and outputs for this call.
     """
 
     want_hidden: bool
+    hidden_with_graph: bool = False
     batch: dict | None = None
     hidden: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
@@ -179,10 +192,15 @@ class DPPOTrainer(GRPOTrainer):
         # Research hooks: each is called with the per-token tensors of every loss call (`_log_trust_region`).
         self.trust_region_observers: list = []
         self._vllm_topk: VLLMTopKCapture | None = None
+        # Truncated sampling with vLLM: N, the entries per token the engine lists; its finite ones are the kept set.
+        self._kept_set_size = self.args.kept_set_size
         if self.args.use_vllm:
             self._check_vllm_server()
-            if self.args.uses_top_k and self.args.anchor == "behavior":
+            if self._kept_set_size is not None:
+                self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self._kept_set_size)
+            elif self.args.uses_top_k and self.args.anchor == "behavior":
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
+            if self._vllm_topk is not None:
                 gen_kwargs = self.vllm_generation.generation_kwargs
                 if self.args.vllm_mode == "colocate" and "stop" not in gen_kwargs:
                     # TRL's colocate path reads token ids only; without this vLLM also decodes all K+1 candidate
@@ -217,7 +235,12 @@ class DPPOTrainer(GRPOTrainer):
             invalid = (~output[BEHAVIOR_VALID] & mask.bool()).sum()
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["dppo/invalid_behavior_logps"].append(self.accelerator.gather(invalid).sum().item())
-        if topk is not None:
+        if topk is not None and self._kept_set_size is not None:
+            ids, lists = topk[0], engine_lists(topk[1])
+            output[BEHAVIOR_KEPT_IDS], output[BEHAVIOR_KEPT_LOGPS] = ids, lists
+            top_k = sampling_truncation(self.args)[0]
+            output[BEHAVIOR_KEPT_OVERFLOW] = kept_set_overflow(lists, self._kept_set_size, top_k) & mask.bool()
+        elif topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
         return output
 
@@ -279,7 +302,9 @@ class DPPOTrainer(GRPOTrainer):
         handle = None
         if capture.want_hidden:
             handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
-                lambda _module, _inputs, out: hiddens.append(_last_hidden_state(out).detach())
+                lambda _module, _inputs, out: hiddens.append(
+                    _last_hidden_state(out) if capture.hidden_with_graph else _last_hidden_state(out).detach()
+                )
             )
         try:
             result = super()._get_per_token_logps_and_entropies(
@@ -297,26 +322,44 @@ class DPPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         """Parent's loss with DPPO's per-token weight at its mask slot (`get_off_policy_mask`), plus the μ-KL term."""
         inputs = _with_behavior_invariants(inputs)
-        call = _LossCall(want_hidden=self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs, batch=inputs)
+        kept = BEHAVIOR_KEPT_IDS in inputs
+        call = _LossCall(
+            want_hidden=kept or (self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs),
+            hidden_with_graph=kept,
+            batch=inputs,
+        )
         with self._calling_parent(call):
             loss = super()._compute_loss(model, inputs)
         if call.outputs is None or call.inputs is None or call.mask is None:
             raise RuntimeError("GRPOTrainer._compute_loss did not call `get_off_policy_mask`: see trl_contract.py.")
         mode = "train" if self.model.training else "eval"
         if call.outputs.mu_kl is not None:
-            loss = loss + aggregate_per_token_loss(
-                call.outputs.mu_kl,
-                call.mask,
-                self.args.loss_type,
-                max_completion_length=self.args.max_completion_length,
-                num_items_in_batch=inputs.get("num_items_in_batch"),
-                num_processes=self.accelerator.num_processes,
-                gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-                steps_per_generation=self.args.steps_per_generation,
-                training=self.model.training,
-            )
+            loss = loss + self._aggregate_like_policy(call.outputs.mu_kl, call.mask, inputs)
+        if call.outputs.kept_correction is not None:
+            # The parent's term has gradient −A·w·∇log π; this one adds A·w·∇log π(kept), so their sum is eq. 11 with
+            # π_kept. It is part of the policy term, so GRPOTrainer's entropy mask (if any) applies to it as well.
+            correction = call.outputs.kept_correction
+            if self.args.top_entropy_quantile < 1.0 and call.entropies is not None:
+                correction = correction * self.get_high_entropy_mask(
+                    call.entropies, call.mask, 1 - self.args.top_entropy_quantile
+                )
+            loss = loss + self._aggregate_like_policy(correction, call.mask, inputs)
         self._log_trust_region(call, mode)
         return loss
+
+    def _aggregate_like_policy(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """A per-token term GRPOTrainer has no slot for, aggregated exactly like its policy term."""
+        return aggregate_per_token_loss(
+            per_token,
+            mask,
+            self.args.loss_type,
+            max_completion_length=self.args.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation,
+            training=self.model.training,
+        )
 
     def _off_policy_mask(
         self,
@@ -496,7 +539,12 @@ class DPPOTrainer(GRPOTrainer):
                 mu_logps, valid = per_token_logps.detach().float(), torch.ones_like(tokens)
             else:
                 mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
-            topk = self._pi_topk(call, per_token_logps.detach().float(), tokens & valid) if call.want_hidden else None
+            topk = None
+            if call.want_hidden and BEHAVIOR_KEPT_IDS not in batch:
+                topk = self._pi_topk(call, per_token_logps.detach().float(), tokens & valid)
+        log_mass = overflow = None
+        if BEHAVIOR_KEPT_IDS in batch:
+            log_mass, overflow, topk = self._pi_kept(call, per_token_logps, tokens & valid)
         old = batch.get(RECOMPUTED_LOGPS)
         inputs = LossInputs(
             pi_logps=per_token_logps,
@@ -508,6 +556,8 @@ class DPPOTrainer(GRPOTrainer):
             pi_topk_logps=topk[0] if topk else None,
             mu_topk_logps=topk[1] if topk else None,
             entropies=call.entropies,
+            kept_log_mass=log_mass,
+            kept_overflow=overflow,
         )
         outputs = policy_loss(self.trust_region_spec, inputs)
         with torch.no_grad():
@@ -562,6 +612,43 @@ class DPPOTrainer(GRPOTrainer):
         mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
         return pi_topk, mu_topk
 
+    def _pi_kept(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
+        """Truncated sampling: `(log π(kept), overflow, top-K lists or None)` for the core.
+
+        π's log-probs at the engine's listed ids come from the hidden states with their graph
+        (`logps_at_ids_with_grad`, J + 1 dot products per token, no `[B, T, V]` logits), so log π(kept) carries the
+        gradient of every kept id; the kept ids are those with a finite μ in the engine's list. Under a top-K
+        divergence its lists are the first K + 1 slots (y_t and TopK(μ)), restricted to the kept ids by the core.
+        """
+        batch = call.batch
+        assert batch is not None
+        if call.hidden is None:
+            raise RuntimeError("DPPO's kept set needs the policy's final hidden states, but none were captured.")
+        ids, mu_lists = batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS].float()
+        weight, bias = self._lm_head_params()
+        pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
+        # ZeRO-3: the head is gathered for the forward here and again by the gather's own backward (as TRL's head does).
+        with maybe_gather_lm_head_ctx(weight, bias):
+            pi_lists[valid] = logps_at_ids_with_grad(
+                call.hidden[valid],
+                _full(weight),
+                ids[valid],
+                ids[valid][:, 0],
+                pi_logps[valid].float(),
+                bias=_full(bias),
+                transform=self._logit_transform(),
+            )
+        kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
+        log_mass = kept_log_mass(pi_lists, kept)
+        topk = None
+        if self.args.uses_top_k:
+            width = self.args.divergence_top_k + 1
+            mu_topk = torch.where(
+                valid.unsqueeze(-1), mu_lists[..., :width], torch.full_like(mu_lists[..., :width], -math.inf)
+            )
+            topk = (pi_lists[..., :width].detach(), mu_topk)
+        return log_mass, batch[BEHAVIOR_KEPT_OVERFLOW].bool(), topk
+
     def _lm_head_params(self):
         head = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).get_output_embeddings()
         return head.weight, getattr(head, "bias", None)
@@ -588,6 +675,13 @@ class DPPOTrainer(GRPOTrainer):
                 f"divergence_top_k={k} exceeds the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server "
                 f"with `--max-logprobs {k}` (or -1), or lower divergence_top_k."
             )
+        n = self.args.kept_set_size
+        if n is not None and max_logprobs is not None and 0 <= max_logprobs < n:
+            raise ValueError(
+                f"Truncated sampling needs the engine's kept set: {n} log-probs per token (`kept_set_logprobs`), more "
+                f"than the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server with `--max-logprobs {n}` "
+                f"(or -1), or set kept_set_logprobs ≤ {max_logprobs}."
+            )
 
 
 def dppo_card_section(args: DPPOConfig) -> str:
@@ -598,6 +692,14 @@ def dppo_card_section(args: DPPOConfig) -> str:
         ("ratio_cap (C)", args.ratio_cap),
         ("anchor", args.anchor),
         ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        (
+            "truncated sampling",
+            "–"
+            if args.kept_set_size is None
+            else "top_k={}, top_p={}, min_p={}: π over the engine's kept set (N = {})".format(
+                *sampling_truncation(args), args.kept_set_size
+            ),
+        ),
         ("loss_type", args.loss_type),
         ("beta", args.beta),
         ("learning_rate", args.learning_rate),
@@ -625,6 +727,18 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
         raise ValueError(
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
+        )
+    if config.kept_set_size is not None and has_tools:
+        raise ValueError(
+            f"Truncated sampling (top_k, top_p, min_p: {sampling_truncation(config)}) with tool calling is not "
+            "supported yet: the engine's kept set is captured per generate call, and tool results split a completion "
+            "across several. Set top_k=0, top_p=1.0, min_p=0.0 with `tools` / `environment_factory`."
+        )
+    if truncates_sampling(config) and params.get("rollout_func") is not None:
+        raise ValueError(
+            "Truncated sampling (top_k > 0, top_p < 1 or min_p > 0) with a `rollout_func`: the rollout returns "
+            "sampled-token log-probs only, so the engine's kept set is unknown and π/μ would be biased. Sample "
+            "untruncated in the rollout and set top_k=0, top_p=1.0, min_p=0.0."
         )
     check_trainer_inputs(config, params)  # datasets, chat template, lengths (dppo_trl/hardening/inputs.py)
 

@@ -355,3 +355,119 @@ def test_loss_call_channel_is_scoped_and_metrics_are_logged_once(tiny_model_dir,
         0.5,
     )
     assert torch.equal(trainer.get_off_policy_mask(*args), GRPOTrainer.get_off_policy_mask(*args))
+
+
+def _kept_lists(full_logps, completion_ids, generator, width):
+    """The engine's lists for a truncated sampler: slot 0 the sampled token, slots 1.. other ids; a random subset of
+    them kept (the sampled token always), the rest at -inf as vLLM's processed log-probs report dropped tokens."""
+    batch, length, vocab = full_logps.shape
+    others = torch.stack([torch.randperm(vocab, generator=generator)[: width - 1] for _ in range(batch * length)])
+    others = others.view(batch, length, width - 1)
+    others = torch.where(others == completion_ids.unsqueeze(-1), (others + 1) % vocab, others)
+    ids = torch.cat([completion_ids.unsqueeze(-1), others], dim=-1)
+    kept = torch.rand(ids.shape, generator=generator) < 0.6
+    kept[..., 0] = True
+    return ids, kept
+
+
+@pytest.mark.parametrize(
+    ("kind", "loss_type", "mu_kl_coef"),
+    [("binary_tv", "dapo", 0.0), ("binary_kl", "grpo", 0.1), ("topk_tv", "dapo", 0.0), ("topk_kl", "luspo", 0.0)],
+)
+def test_truncated_sampling_gradient_is_eq11_with_pi_kept(
+    tiny_model_dir, tokenizer, tmp_path, kind, loss_type, mu_kl_coef
+):
+    """With a kept set, the gradient is eq. 11 with π_kept = π / π(kept): `−A·w·∇log π_kept`, w and the mask from
+    D(π_kept, μ); overflow positions carry none. The reference renormalises full logits over the kept ids."""
+    from dppo_trl.core.functional import restrict_topk_to_kept
+    from dppo_trl.trainers.dppo_trainer import BEHAVIOR_KEPT_IDS, BEHAVIOR_KEPT_LOGPS, BEHAVIOR_KEPT_OVERFLOW
+
+    delta_low, delta_high, cap, top_k, width = 0.02, 0.001, 2.0, 2, 5
+    trainer = _trainer(
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        loss_type=loss_type,
+        divergence=kind,
+        divergence_top_k=top_k,
+        delta_low=delta_low,
+        delta_high=delta_high,
+        ratio_cap=cap,
+        mu_kl_coef=mu_kl_coef,
+    )
+    model = trainer.model
+    generator = torch.Generator().manual_seed(5)
+    inputs, ids, attn, _, _ = _crafted_batch(model, generator)
+    completion_ids = inputs["completion_ids"]
+
+    def full_logps():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, PROMPT_LEN - 1 : -1]
+        return torch.log_softmax(logits.float(), -1)
+
+    with torch.no_grad():
+        full = full_logps()
+    list_ids, kept = _kept_lists(full, completion_ids, generator, width)
+
+    def renormalised(full):
+        at_ids = full.gather(-1, list_ids)
+        log_mass = torch.logsumexp(at_ids.masked_fill(~kept, -math.inf), dim=-1)
+        return at_ids - log_mass.unsqueeze(-1), log_mass
+
+    with torch.no_grad():
+        pi_kept_lists, _ = renormalised(full)
+    mu = _mu_from_pi(pi_kept_lists[..., 0])
+    valid = torch.isfinite(mu)
+    mu = torch.where(valid, mu, torch.zeros_like(mu))
+    # μ's lists: the sampled token's μ in slot 0, π_kept (≈ the engine's values) at the other kept ids.
+    mu_lists = torch.where(kept, pi_kept_lists, torch.full_like(pi_kept_lists, -math.inf))
+    mu_lists[..., 0] = torch.where(valid, mu, torch.full_like(mu, float("nan")))
+    overflow = torch.zeros_like(valid)
+    overflow[0, 2] = overflow[3, 0] = True
+    inputs.update(
+        {
+            "old_per_token_logps": mu.clamp(min=-60.0),
+            BEHAVIOR_LOGPS: mu,
+            BEHAVIOR_VALID: valid,
+            BEHAVIOR_KEPT_IDS: list_ids,
+            BEHAVIOR_KEPT_LOGPS: mu_lists,
+            BEHAVIOR_KEPT_OVERFLOW: overflow & inputs["completion_mask"].bool(),
+        }
+    )
+
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    assert torch.isfinite(loss)
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    pi_kept_all, log_mass = renormalised(full_logps())
+    pi_kept = pi_kept_all[..., 0]
+    adv = ADVANTAGES.unsqueeze(1)
+    counted = valid & ~overflow
+    if kind.startswith("topk_"):
+        pi_topk = restrict_topk_to_kept(
+            full.gather(-1, list_ids)[..., : top_k + 1], mu_lists[..., : top_k + 1], log_mass.detach()
+        )
+        div = compute_divergence(kind, pi_kept.detach(), mu, pi_topk, mu_lists[..., : top_k + 1])
+    else:
+        div = compute_divergence(kind, pi_kept.detach(), mu)
+    keep = trust_region_mask(pi_kept.detach(), mu, adv, div, delta_low, delta_high) * counted
+    per_token = dppo_per_token_loss(pi_kept, mu, adv, keep, cap)
+    mask = inputs["completion_mask"].float()
+    reference = _aggregate(per_token, mask, loss_type, COMPLETION_LEN)
+    if mu_kl_coef:
+        kl = torch.where(counted, mu_kl_coef * (pi_kept - mu).square(), torch.zeros_like(mu))
+        reference = reference + _aggregate(kl, mask, loss_type, COMPLETION_LEN)
+    reference.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    tokens = inputs["completion_mask"].bool() & counted
+    assert (keep[tokens] == 0).any() and (keep[tokens] == 1).any()
+    # π_kept really differs from π: the test would not tell them apart otherwise.
+    assert (log_mass.detach()[tokens] < -0.1).any()
+    assert set(got) == set(want)
+    for name in want:
+        _assert_grad_close(got[name], want[name], name)
+    metrics = trainer._metrics["train"]
+    assert metrics["dppo/kept_set_overflow_ratio"][-1] == pytest.approx(2 / inputs["completion_mask"].sum().item())

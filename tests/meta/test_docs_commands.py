@@ -162,6 +162,10 @@ DECISIONS = {
         TOPK_SHRINK
     ),
     ".venv/bin/python benchmarks/topk_memory.py --variants '' --paired 3": Run((*TOPK_SHRINK, "--paired", "1")),
+    ".venv/bin/python benchmarks/topk_memory.py --variants binary_trl,kept_set --repeats 2": Run(TOPK_SHRINK),
+    ".venv/bin/python benchmarks/topk_memory.py --variants binary_trl,kept_set --repeats 2 --frozen-weight": Run(
+        TOPK_SHRINK
+    ),
     "python benchmarks/topk_memory.py --device cuda --dtype bfloat16 --vocab 151936 --hidden 4096 --n-tokens 8192 "
     "--repeats 3": CannotRun("GPU-only (CUDA); scripts/gpu_check.sh runs it"),
 }

@@ -87,6 +87,9 @@ def test_vllm_generation_contract():
     source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
     for fragment in trl_contract.VLLM_GENERATE_FRAGMENTS:
         assert fragment in source, f"VLLMGeneration.generate changed: missing {fragment!r}"
+    assert trl_contract.VLLM_COLOCATE_LOGPROBS_MODE in inspect.getsource(vllm_generation.VLLMGeneration), (
+        "TRL's colocate engine no longer asks for processed log-probs: the kept set cannot be read from them"
+    )
     single_turn = inspect.getsource(GRPOTrainer._generate_single_turn)
     for fragment in trl_contract.GENERATE_SINGLE_TURN_FRAGMENTS:
         assert fragment in single_turn, f"GRPOTrainer._generate_single_turn changed: missing {fragment!r}"
@@ -110,6 +113,7 @@ def test_dppo_fields_do_not_shadow_grpo_fields():
         "vllm_server_request_timeout",
         "vllm_cpu_dtype",
         "vllm_cpu_engine_kwargs",
+        "kept_set_logprobs",
     }
 
 

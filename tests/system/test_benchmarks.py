@@ -66,12 +66,12 @@ def test_topk_memory_runs_every_variant_from_the_repository_root():
     # --paired adds the interleaved A vs binary worker.
     report = _run_script("topk_memory.py", "--n-tokens", "256", "--hidden", "64", "--paired", "1")
     assert report["failed"] == []
-    assert set(report["results"]) == {"naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused"}
+    assert set(report["results"]) == {"naive", "topk_anchor", "topk_fused", "binary_trl", "binary_fused", "kept_set"}
     for name, result in report["results"].items():
         assert "error" not in result, (name, result)
         assert _is_number(result["peak_extra_mib"]) and _is_number(result["time_s"]), name
     assert "error" not in report["paired_timing"], report["paired_timing"]
-    assert set(report["ratios"]) == {"anchor_gather_over_binary_trl_time", "topk_anchor", "topk_fused"}
+    assert set(report["ratios"]) == {"anchor_gather_over_binary_trl_time", "topk_anchor", "topk_fused", "kept_set"}
     _no_unexplained_nulls(report)
     assert report["config"]["vocab"] == 151936
 

@@ -30,7 +30,7 @@ def test_recipe_parses_into_dppo_config(example, recipe):
     assert isinstance(training_args, DPPOConfig)
     assert model_args.model_name_or_path and script_args.dataset_name
     assert training_args.divergence in ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
-    assert training_args.top_p == 1.0 and training_args.top_k == 0  # truncation would bias mu
+    assert training_args.top_p == 1.0 and training_args.top_k == 0  # the authors' untruncated sampling
 
 
 def _accelerate_config(recipe: str) -> dict:

@@ -20,7 +20,7 @@ import requests
 import torch
 from conftest import get_free_port
 from forward_count import count_generation_passes
-from trainer_setup import byte_mean_reward, logged, make_trainer
+from trainer_setup import byte_mean_reward, logged, make_trainer, math_prompt_dataset
 
 from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION, build_server_command
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
@@ -423,6 +423,42 @@ def test_server_mu_needs_no_policy_pass(server, trainer_env, tmp_path, divergenc
         trainer.train()
     assert passes.batches == [[]]  # one generation batch (it serves spg · num_iterations = 4 steps), no pass
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_truncated_sampling_compares_pi_over_the_servers_kept_set(server, trainer_env, tmp_path):
+    """top_p < 1 in server mode: the kept set comes from the server's lists (N ≤ `--max-logprobs`); a fresh
+    rollout's |π_kept − μ| is rounding, the full-softmax |π − μ| is not. An N above the server's limit is refused."""
+    with pytest.raises(ValueError, match=f"than the vLLM server's `--max-logprobs {SERVER_MAX_LOGPROBS}`"):
+        make_trainer(TINY_MODEL, tmp_path, top_p=0.95, **_server_config(server))  # N defaults to 64
+    trainer = make_trainer(
+        TINY_MODEL,
+        tmp_path,
+        dataset=math_prompt_dataset(),
+        top_p=0.95,
+        kept_set_logprobs=SERVER_MAX_LOGPROBS,
+        max_steps=1,
+        max_completion_length=32,
+        **_server_config(server),
+    )
+    records = []
+    trainer.trust_region_observers.append(records.append)
+    trainer.train()
+    counted = records[0]["valid"]
+    assert counted.any()
+    mu = records[0]["mu_logps"][counted].exp()
+    kept = (records[0]["pi_logps"][counted].exp() - mu).abs().mean().item()
+    full = (records[0]["pi_full_logps"][counted].exp() - mu).abs().mean().item()
+    print(
+        f"server top_p=0.95, N={SERVER_MAX_LOGPROBS}: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g} ({int(counted.sum())} tokens)"
+    )
+    assert kept < FRESH_MISMATCH and full > 100 * kept and full > 1e-3
+    overflow = [
+        e["dppo/kept_set_overflow_ratio"] for e in trainer.state.log_history if "dppo/kept_set_overflow_ratio" in e
+    ]
+    print(f"server top_p=0.95, N={SERVER_MAX_LOGPROBS}: overflow ratio {overflow}")
+    assert len(overflow) == 1 and 0.0 <= overflow[0] < 1.0
 
 
 @pytest.mark.vllm

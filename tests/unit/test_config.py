@@ -71,12 +71,15 @@ def test_recompute_anchor_warns_and_may_use_trl_importance_sampling(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05}, {"repetition_penalty": 1.1}],
-    ids=lambda k: next(iter(k)),
+    [{"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"top_p": 0.9, "use_vllm": False}],
+    ids=["top_p", "top_k", "min_p", "transformers"],
 )
-def test_truncated_sampling_warns(tmp_path, kwargs):
-    with pytest.warns(UserWarning, match="renormalised over the kept tokens"):
-        _config(tmp_path, **kwargs)
+def test_truncated_sampling_is_supported_without_a_warning(tmp_path, kwargs):
+    # vLLM: π is compared over the engine's kept set (tests/integration/test_truncated_sampling.py); transformers generation:
+    # μ is the trainer's own full softmax. Neither biases π/μ, so neither warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _config(tmp_path, **{"use_vllm": True, **kwargs})
 
 
 def test_default_sampling_does_not_warn(tmp_path):
@@ -112,6 +115,22 @@ def test_topk_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra):
             model=tiny_model_dir,
             reward_funcs=ascii_reward,
             args=small_config(tmp_path, divergence="topk_tv"),
+            train_dataset=prompt_dataset(),
+            **{extra: value},
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"), [("tools", "with tool calling"), ("rollout_func", "with a `rollout_func`")]
+)
+def test_truncated_sampling_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra, message):
+    # Refused before the model or the engine is built, naming the fix.
+    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
+    with pytest.raises(ValueError, match=f"{message}.*top_k=0, top_p=1.0, min_p=0.0"):
+        DPPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=ascii_reward,
+            args=small_config(tmp_path, top_p=0.9, use_vllm=True, vllm_mode="colocate"),
             train_dataset=prompt_dataset(),
             **{extra: value},
         )

@@ -432,6 +432,13 @@ def test_benchmark_variants_agree():
         # Memory is counted, not timed; the time is only checked to be reported (a fast run rounds it to 0.0)
         assert result["peak_extra_mib"] >= 0 and math.isfinite(result["time_s"])
         losses[variant] = result["loss"]
+    # `kept_set` is the truncated-sampling loss: π renormalised over each row's kept ids (its first 1 + r mod (K + 1)).
+    hidden, weight, ids, advantages = bench._make_inputs(args, torch)
+    with torch.no_grad():
+        full = torch.log_softmax(hidden @ weight.t(), dim=-1).gather(1, ids)
+        kept = torch.arange(ids.shape[1]).unsqueeze(0) <= (torch.arange(ids.shape[0]) % ids.shape[1]).unsqueeze(1)
+        pi_kept = full[:, 0] - torch.logsumexp(full.masked_fill(~kept, -math.inf), dim=1)
+    assert losses.pop("kept_set") == pytest.approx(-(pi_kept * advantages).sum().item(), rel=1e-5)
     for variant, loss in losses.items():
         assert loss == pytest.approx(losses["naive"], rel=1e-5), variant
 
@@ -448,3 +455,47 @@ def test_empty_batch():
     assert logps_at_ids_from_sampled(hidden, weight, ids, ids[:, 0], torch.zeros(0)).shape == (0, K + 1)
     logps, top_ids = chunked_topk_logps(hidden, weight, K)
     assert logps.shape == top_ids.shape == (0, K)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [LogitTransform(), LogitTransform(temperature=0.7, logit_scale=1.3, softcap=2.0)],
+    ids=["plain", "all"],
+)
+def test_logps_at_ids_with_grad_is_the_full_softmax_with_its_gradient(transform):
+    """π at listed ids with a gradient (truncated sampling's kept set): equal to the full log-softmax and, through a
+    logsumexp over the kept ids, to its gradient; gradcheck in float64; padding gives -inf and no gradient."""
+    from dppo_trl.core.functional import kept_log_mass
+    from dppo_trl.kernels.topk_logps import logps_at_ids_with_grad
+
+    g = torch.Generator().manual_seed(3)
+    m, h, v, j = 6, 4, 13, 4
+    hidden = torch.randn(m, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, v, (m, j), generator=g)
+    ids[1, 3] = ids[4, 0] = -1
+    sampled = torch.randint(0, v, (m,), generator=g)
+    kept = (torch.rand(m, j, generator=g) < 0.7) & (ids >= 0)
+
+    def ours(hidden, weight, bias):
+        full = torch.log_softmax(transform(hidden @ weight.t() + bias), -1)
+        lp = full.gather(1, sampled[:, None]).squeeze(1)
+        return logps_at_ids_with_grad(hidden, weight, ids, sampled, lp, bias=bias, transform=transform, chunk_size=4)
+
+    def reference(hidden, weight, bias):
+        full = torch.log_softmax(transform(hidden @ weight.t() + bias), -1)
+        return full.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf)
+
+    got, want = ours(hidden, weight, bias), reference(hidden, weight, bias)
+    assert torch.equal(got.isinf(), ids < 0) and torch.allclose(got[ids >= 0], want[ids >= 0])
+    grads = torch.autograd.grad(kept_log_mass(got, kept).sum(), (hidden, weight, bias))
+    ref_grads = torch.autograd.grad(kept_log_mass(want, kept).sum(), (hidden, weight, bias))
+    for ours_grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(ours_grad, ref_grad, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *p: kept_log_mass(ours(*p), kept), (hidden, weight, bias))
+    # A frozen head (LoRA): no weight gradient is built, the hidden states' is unchanged.
+    (hidden_only,) = torch.autograd.grad(
+        kept_log_mass(ours(hidden, weight.detach(), bias.detach()), kept).sum(), hidden
+    )
+    assert torch.allclose(hidden_only, ref_grads[0], atol=1e-12)
