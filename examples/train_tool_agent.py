@@ -183,9 +183,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     history = trainer.state.log_history
     if test_rows:
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        # A fresh copy with the trained weights: the async trainer's model runs TRL's packed tree attention, which
+        # `generate` cannot use.
+        trained = AutoModelForCausalLM.from_pretrained(
+            script_args.model_name_or_path, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        trained.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
         summary["after"] = evaluate(
-            model, tokenizer, test_rows, script_args, training_args.temperature, max_tool_calls
+            trained, tokenizer, test_rows, script_args, training_args.temperature, max_tool_calls
         )
     steps = [h for h in history if "dppo/mask_ratio" in h]
     summary["steps"] = len(steps)
