@@ -19,6 +19,8 @@ base agent with room for RL:
 - a malformed call (broken JSON or a missing closing tag), which TRL's parser leaves as plain text, so no tool runs;
 - a call with a wrong argument (one digit changed), which yields a wrong tool result and a wrong answer;
 - an answer without the tool (a wrong guess near the product).
+
+Every reply opens with Qwen3's empty thinking block (`<think>\n\n</think>\n\n`, see `THINK_PREFIX`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 __all__ = [
     "AGENT_SOURCE",
     "AGENT_TAG_TOKENS",
+    "THINK_PREFIX",
     "SFT_MIXTURE",
     "agent_reward",
     "build_agent_tokenizer",
@@ -72,6 +75,10 @@ def qwen3_chat_template() -> str:
     return files("trl").joinpath("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
 
 
+# Every reply opens with an empty thinking block, as Qwen3 writes one in thinking mode: TRL's training template renders
+# past assistant turns with it, so a conversation re-rendered from messages (the async rollout worker does this each
+# turn) reproduces the sampled tokens exactly.
+THINK_PREFIX = "<think>\n\n</think>\n\n"
 # Qwen3's tags, one token each (as in Qwen3's own vocabulary) so replies are short enough to learn on a CPU.
 AGENT_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 
@@ -185,11 +192,14 @@ def encode_episode(tokenizer, template: str, prompt_ids: list[int], a: int, b: i
     def enc(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def reply(text: str) -> list[int]:
+        return enc(THINK_PREFIX + text) + eos
+
     if kind == "no_tool":
         guess = a * b + rng.choice([-1, 1]) * rng.randint(1, max(2, a * b // 10))
-        turns = [enc(f"Answer: {guess}") + eos]
+        turns = [reply(f"Answer: {guess}")]
     elif kind == "malformed":
-        turns = [enc(_malformed_call_text(a, b, rng)) + eos]
+        turns = [reply(_malformed_call_text(a, b, rng))]
     else:
         ca, cb = (
             (a, b)
@@ -198,9 +208,9 @@ def encode_episode(tokenizer, template: str, prompt_ids: list[int], a: int, b: i
         )
         result = str(ca * cb)
         turns = [
-            enc(_call_text(ca, cb)) + eos,
+            reply(_call_text(ca, cb)),
             enc(_suffix_text(tokenizer, template, result)),
-            enc(f"Answer: {result}") + eos,
+            reply(f"Answer: {result}"),
         ]
     input_ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
     for i, ids in enumerate(turns):
@@ -296,7 +306,7 @@ def sample_episode_text(
     tokenizer,
     rows: Sequence[dict],
     temperature: float = 1.0,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 80,
     seed: int = 0,
     max_tool_calls: int = 1,
     tool=multiply,

@@ -39,7 +39,7 @@ COMMON_DEFAULTS = {
     "max_steps": 96,
     "per_device_train_batch_size": 32,  # 4 prompts x 8 completions per optimizer step
     "num_generations": 8,
-    "max_completion_length": 100,  # call (~58 tokens) + tool turn (~26) + answer (~13)
+    "max_completion_length": 128,  # call (~64 tokens with the empty thinking block) + tool turn (~26) + answer (~19)
     "max_tool_calling_iterations": 2,
     "temperature": 1.0,
     "logging_steps": 1,
@@ -80,7 +80,7 @@ class ToolAgentArguments:
     train_file: str = field(default=TRAIN_FILE, metadata={"help": "JSON lines with `prompt` and `answer`."})
     test_file: str = field(default=TEST_FILE, metadata={"help": "Held-out JSON lines, evaluated before and after."})
     eval_problems: int = field(default=200, metadata={"help": "Held-out problems to evaluate (0: skip)."})
-    eval_max_new_tokens: int = field(default=64, metadata={"help": "Tokens per assistant turn in evaluation."})
+    eval_max_new_tokens: int = field(default=80, metadata={"help": "Tokens per assistant turn in evaluation."})
     use_async: bool = field(
         default=False,
         metadata={"aliases": ["--async"], "help": "Train with AsyncDPPOTrainer against a vLLM server."},

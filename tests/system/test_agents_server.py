@@ -117,7 +117,7 @@ def test_environment_on_server_mu_is_the_samplers(tmp_path, server_port, diverge
         save_strategy="no",
         per_device_train_batch_size=8,
         num_generations=4,
-        max_completion_length=100,
+        max_completion_length=120,
         max_steps=2,
         learning_rate=1e-3,
         logging_steps=1,
