@@ -64,7 +64,7 @@ SYNC_DEFAULTS = {
 ASYNC_DEFAULTS = {
     **COMMON_DEFAULTS,
     "output_dir": "outputs/tool-agent-async-dppo",
-    "max_steps": 16,  # ~15 s per step on 2 CPU cores (the worker and the trainer share them)
+    "max_steps": 16,  # ~15 s per step on 2 CPU cores (the worker and the trainer share them): ~5.5 min in all
     "divergence": "binary_tv",  # top-K in async is the async trainer's own work (docs/agents.md)
     "max_staleness": 4,
     "token_budget": 0,
