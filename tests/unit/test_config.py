@@ -98,41 +98,29 @@ def test_trainer_requires_a_dppo_config(tiny_model_dir, tmp_path):
         )
 
 
-def _tool(x: int) -> int:
-    """Doubles a number.
-
-    Args:
-        x: the number.
-    """
-    return 2 * x
-
-
-@pytest.mark.parametrize("extra", ["tools", "rollout_func"])
-def test_topk_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra):
-    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match=f"divergence='topk_tv' .*{extra if extra == 'rollout_func' else 'tool'}"):
+def test_topk_rejects_rollout_func(tiny_model_dir, tmp_path):
+    """A `rollout_func` returns sampled-token log-probs only: μ's top-K does not exist. (Top-K with tools is supported:
+    tests/integration/test_agents_vllm.py.)"""
+    with pytest.raises(ValueError, match="divergence='topk_tv' .*rollout_func"):
         DPPOTrainer(
             model=tiny_model_dir,
             reward_funcs=ascii_reward,
             args=small_config(tmp_path, divergence="topk_tv"),
             train_dataset=prompt_dataset(),
-            **{extra: value},
+            rollout_func=lambda prompts, trainer: {},
         )
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"), [("tools", "with tool calling"), ("rollout_func", "with a `rollout_func`")]
-)
-def test_truncated_sampling_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra, message):
-    # Refused before the model or the engine is built, naming the fix.
-    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match=f"{message}.*top_k=0, top_p=1.0, min_p=0.0"):
+def test_truncated_sampling_rejects_rollout_func(tiny_model_dir, tmp_path):
+    """Refused before the model or the engine is built, naming the fix. (Truncated sampling with tools is supported:
+    tests/integration/test_agents_vllm.py.)"""
+    with pytest.raises(ValueError, match="with a `rollout_func`.*top_k=0, top_p=1.0, min_p=0.0"):
         DPPOTrainer(
             model=tiny_model_dir,
             reward_funcs=ascii_reward,
             args=small_config(tmp_path, top_p=0.9, use_vllm=True, vllm_mode="colocate"),
             train_dataset=prompt_dataset(),
-            **{extra: value},
+            rollout_func=lambda prompts, trainer: {},
         )
 
 
