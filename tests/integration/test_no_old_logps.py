@@ -56,7 +56,9 @@ def _generate(trainer, monkeypatch, shape, skip=True):
     ga, spg, iterations = shape
     monkeypatch.setattr(trainer.args, "gradient_accumulation_steps", ga)
     monkeypatch.setattr(trainer.args, "steps_per_generation", spg)
+    # A trainer built with `num_iterations=iterations` has it in both places: TRL reads its attribute, DPPO the config.
     monkeypatch.setattr(trainer, "num_iterations", iterations)
+    monkeypatch.setattr(trainer.args, "num_iterations", iterations)
     if not skip:
         monkeypatch.setattr(trainer, "_discards_parent_old_logps", lambda: False)
     with count_generation_passes() as passes:
