@@ -60,6 +60,20 @@ def steps_to_reach(row: dict) -> int | None:
     return next((s for s, v in run._smoothed(row["curves"]["accuracy"]) if v >= run.REACH_ACCURACY), None)
 
 
+def collapsed_from_curve(row: dict) -> bool:
+    """The collapse criterion recounted from the row's stored accuracy curve, as `run.run_summary` decides it.
+
+    The *smoothed* final accuracy (mean of the last `run.SMOOTH` generations) is compared, not the last generation
+    alone: a run that is at 0 for two generations and bounces once at the end still collapsed.
+    """
+    acc = row["curves"]["accuracy"]
+    smooth = run._smoothed(acc)
+    if not smooth:
+        return False
+    final, peak = smooth[-1][1], max(v for _, v in smooth)
+    return final < max(peak - run.COLLAPSE_DROP, 0.5 * acc[0][1])
+
+
 def pool_runs(paths: list[str]) -> tuple[dict, list[dict]]:
     """(level, method, seed) -> run row over every sweep; a seed present twice must agree (it is the same run)."""
     pooled, sources = {}, []
@@ -72,6 +86,8 @@ def pool_runs(paths: list[str]) -> tuple[dict, list[dict]]:
                 print(f"[compare] skipping failed run {row['level']} {row['method']} {row['seed']}", file=sys.stderr)
                 continue
             key = (row["level"], row["method"], row["seed"])
+            if collapsed_from_curve(row) != bool(row["collapsed"]):
+                raise SystemExit(f"[compare] {key} in {path}: the stored collapse flag disagrees with its curve.")
             if key in pooled and pooled[key]["final_accuracy"] != row["final_accuracy"]:
                 raise SystemExit(f"[compare] {key} appears in two sweeps with different results; pool disjoint seeds.")
             pooled[key] = row
