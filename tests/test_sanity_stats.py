@@ -146,3 +146,59 @@ def test_fp8_kv_recount_uses_the_smoothed_final_accuracy():
     assert sum(last_generation_rule(r) for r in rows) == 6
     (seed7,) = [r for r in rows if r["seed"] == 7]
     assert seed7["collapsed"] and not last_generation_rule(seed7)
+
+
+def test_newcombe_diff_known_values():
+    from stats import newcombe_diff
+
+    # Newcombe (1998), Table II, method 10: 56/70 - 48/80 -> [0.0524, 0.3339]; 9/10 - 3/10 -> [0.1705, 0.8090].
+    lo, hi = newcombe_diff(56, 70, 48, 80)
+    assert lo == pytest.approx(0.0524, abs=1e-4) and hi == pytest.approx(0.3339, abs=1e-4)
+    lo, hi = newcombe_diff(9, 10, 3, 10)
+    assert lo == pytest.approx(0.1705, abs=1e-4) and hi == pytest.approx(0.8090, abs=1e-4)
+    # Antisymmetric in the two arms; equal rates give an interval centred near 0.
+    assert newcombe_diff(3, 20, 12, 20) == pytest.approx(tuple(-x for x in reversed(newcombe_diff(12, 20, 3, 20))))
+    lo, hi = newcombe_diff(5, 20, 5, 20)
+    assert lo == pytest.approx(-hi)
+
+
+def test_mcnemar_exact():
+    from stats import mcnemar_exact
+
+    # 1 vs 10 discordant pairs: 2 * (1 + 11) / 2**11.
+    assert mcnemar_exact(1, 10) == pytest.approx(2 * 12 / 2**11)
+    assert mcnemar_exact(10, 1) == mcnemar_exact(1, 10)
+    assert mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(3, 3) == 1.0
+
+
+def test_compare_issue27_readout_on_the_committed_20_seeds(tmp_path):
+    """The pre-registered issue-27 read-out on the committed 20 seeds: interim status, intervals, pairing, readings."""
+    import json
+    import subprocess
+
+    results = os.path.join(REPO_ROOT, "benchmarks", "sanity", "results")
+    sweeps = [os.path.join(results, d, "sweep.json") for d in ("mismatch_sweep", "mismatch_seeds")]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "sanity", "compare.py"), "--sweeps", *sweeps]
+        + ["--levels", "none,noise=0.3", "--methods", "dppo_tv,grpo_clip,clip_higher"]
+        + ["--against", "grpo_clip,clip_higher", "--secondary", "", "--target-seeds", "100"]
+        + ["--seed-blocks", "0-4,5-19", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["status"].startswith("interim: 20 of 100")
+    tests = {(t["level"], t["against"]): t for t in summary["primary_tests"]}
+    assert len(tests) == 4 and summary["secondary_tests"] == []
+    t = tests[("noise=0.3", "clip_higher")]
+    assert t["collapsed"] == [11, 20] and t["against_collapsed"] == [17, 20]
+    assert t["rate_difference"] == pytest.approx(-0.3)
+    lo, hi = t["rate_difference_ci95_newcombe"]
+    assert lo < -0.3 < hi < 0  # excludes 0, yet Holm p > 0.05: the pre-registered reading is still "undecided"
+    assert t["paired_discordant"] == [1, 7] and t["decision"] == "undecided"
+    with open(tmp_path / "compare.json") as f:
+        blocks = json.load(f)["blocks"]
+    assert blocks["0-4"]["seeds_used"]["none"] == [0, 1, 2, 3, 4]
+    assert blocks["5-19"]["seeds_used"]["noise=0.3"] == list(range(5, 20))
