@@ -145,6 +145,20 @@ DECISIONS = {
     ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
     "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_engine/sweep.json "
     "--levels none,kv=fp8_e5m2 --test-levels kv=fp8_e5m2 --output-dir benchmarks/sanity/results/mismatch_engine": Run(),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher "
+    "--seeds 20-99 --workers 1 --threads 1 --resume --output-dir benchmarks/sanity/results/mismatch_seeds100 "
+    "--port-base 36000": CannotRun(
+        "480 runs, hours of 2 cores (issue 27's study, run in chunks); resuming from the record is covered by "
+        "tests/test_mismatch_sweep.py::test_resume_from_the_committed_record"
+    ),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher "
+    "--seeds 20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100 --reaggregate": Covered(
+        "tests/test_mismatch_sweep.py"
+    ),
+    ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
+    "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_seeds100/runs.jsonl "
+    "--levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher --against grpo_clip,clip_higher --secondary '' "
+    "--target-seeds 100 --seed-blocks 0-19,20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100": Run(),
     # docs/async.md
     ".venv/bin/python examples/train_dapo_math_async.py": Run(
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")

@@ -116,3 +116,10 @@ def test_resume_from_the_committed_record(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [r["seed"] for r in lines] == [0, 1] and len({r["settings_id"] for r in lines}) == 1
     assert len(result["resumed_with"]) == 1  # the header travelled with the record
+    assert all(r["platform"] for r in lines)
+    # --reaggregate (what the lead runs before committing) writes the partial state without running anything.
+    proc = subprocess.run([*base, "--seeds", "0-2", "--reaggregate"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["missing"] == [
+        {"level": "none", "method": "dppo_tv", "seed": 2}
+    ]
+    assert (tmp_path / "runs.jsonl").read_text().splitlines() == [json.dumps(r, separators=(",", ":")) for r in lines]

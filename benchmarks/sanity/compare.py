@@ -40,7 +40,7 @@ Z95 = 1.959963984540054
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweeps", nargs="+", required=True, help="sweep.json files to pool")
+    p.add_argument("--sweeps", nargs="+", required=True, help="sweep.json files (or runs.jsonl records) to pool")
     p.add_argument("--levels", required=True, help="comma-separated levels to analyse")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--reference", default="dppo_tv")
@@ -87,7 +87,10 @@ def pool_runs(paths: list[str]) -> tuple[dict, list[dict]]:
     pooled, sources = {}, []
     for path in paths:
         with open(path) as f:
-            sweep = json.load(f)
+            if path.endswith(".jsonl"):  # a sweep's committed record (sweep.py's runs.jsonl): one run per line
+                sweep = {"runs": [json.loads(line) for line in f if line.strip()]}
+            else:
+                sweep = json.load(f)
         sources.append({"path": os.path.relpath(path, run.REPO_ROOT), "command": sweep.get("command")})
         for row in sweep["runs"]:
             if "error" in row:

@@ -30,6 +30,7 @@ import csv
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -167,10 +168,11 @@ def sync_record(jobs: list[dict], path: str, sid: str, record: dict) -> None:
             key = (job["level"], job["method"], job["seed"])
             if not os.path.exists(job["out"]) or (key in record and "error" not in record[key]):
                 continue
-            row = job_row(job)
-            if key in record and record[key] == run._rounded(row):
+            # The machine goes with the row: runs are deterministic on one machine, not across machines.
+            row = run._rounded({**job_row(job), "platform": platform.platform()})
+            if key in record and record[key] == row:
                 continue
-            record[key] = run._rounded(row)
+            record[key] = row
             f.write(json.dumps({"settings_id": sid, **record[key]}, separators=(",", ":")) + "\n")
             f.flush()
 
@@ -530,11 +532,15 @@ def main(argv: list[str] | None = None) -> dict:
             if os.path.exists(path):
                 with open(path) as f:
                     return report(args, jobs, json.load(f), record)
-        # The sweep was stopped (or is still running): its header was never written, so rebuild it; no wall time.
+        # The sweep was stopped (or is still running): its header was never written, so rebuild it (no wall time)
+        # and keep it next to the record, so that the settings and versions are committed with the runs.
         sweep_command = " ".join(
             ["python", os.path.relpath(__file__, REPO_ROOT), *(a for a in argv if a != "--reaggregate")]
         )
-        return report(args, jobs, make_header(args, sweep_command, {}, None, None), record)
+        header = make_header(args, sweep_command, {}, None, None)
+        with open(header_path, "w") as f:
+            json.dump(header, f, indent=1)
+        return report(args, jobs, header, record)
     if not args.resume:
         if any((job["level"], job["method"], job["seed"]) in record for job in jobs):
             raise SystemExit(
