@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run (run.py's main run: 160)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--mismatch-seed", type=int, default=0, help="seed of the noise pattern (one engine per level)")
+    p.add_argument("--model", default=None, help="model folder (default: run.py's, examples/tiny_math_model)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port-base", type=int, default=PORT_BASE)
@@ -81,12 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.run_args = ["--steps", str(args.steps), "--learning-rate", str(args.learning_rate)]
+    model_args = ["--model", os.path.abspath(args.model)] if args.model else []
+    args.run_args += model_args
     if args.quick:
         # The smoke test's levels, methods and seeds, unless given (the resume test picks its own).
         for key in ("levels", "methods", "seeds"):
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, QUICK[key])
-        args.run_args = QUICK["run_args"]
+        args.run_args = QUICK["run_args"] + model_args
     args.level_list = [lvl.strip() for lvl in args.levels.split(",") if lvl.strip()]
     for level in args.level_list:
         parse_level(level)  # a clear error before any worker starts
@@ -265,6 +268,9 @@ def run_row(result: dict, level: str) -> dict:
         "fresh_mismatch_max_token": max(fresh_max) if fresh_max else None,
         "peak_mismatch_abs_mean": summary["peak_mismatch_abs_mean"],
         "mean_mask_ratio": sum(clip) / len(clip) if clip else None,
+        # Fig. 6: sampled tokens the trust region masked / kept, by μ bin (run.MU_BINS), over the whole run.
+        "mu_hist_masked": result["fig6"]["mu_hist_masked"],
+        "mu_hist_kept": result["fig6"]["mu_hist_kept"],
         "final_entropy": summary["final_entropy"],
         "train_seconds": result.get("train_seconds"),
         "curves": {
