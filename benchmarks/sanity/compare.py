@@ -118,6 +118,20 @@ def cell(rows: list[dict]) -> dict:
     reach = [steps_to_reach(r) for r in rows]
     reached = [s for s in reach if s is not None]
     fresh = [r["fresh_mismatch_first"] for r in rows if r.get("fresh_mismatch_first") is not None]
+    # Fig. 6 (rows recorded with sweep.py's μ histograms): masked / kept sampled tokens per μ bin, summed over seeds.
+    with_hist = [r for r in rows if "mu_hist_masked" in r]
+    fig6 = None
+    if with_hist:
+        masked = [sum(col) for col in zip(*(r["mu_hist_masked"] for r in with_hist))]
+        kept = [sum(col) for col in zip(*(r["mu_hist_kept"] for r in with_hist))]
+        fig6 = {
+            "mu_bins": run.MU_BINS[:-1] + [1.0],
+            "n_runs": len(with_hist),
+            "masked": masked,
+            "kept": kept,
+            "masked_share": [m / (m + k) if m + k else None for m, k in zip(masked, kept)],
+            "sampled_share": [(m + k) / max(1, sum(masked) + sum(kept)) for m, k in zip(masked, kept)],
+        }
     return {
         "n": n,
         "collapsed": collapsed,
@@ -130,6 +144,7 @@ def cell(rows: list[dict]) -> dict:
         "steps_to_20pct": reach,
         "fresh_mismatch_first_mean": sum(fresh) / len(fresh) if fresh else None,
         "seeds": [r["seed"] for r in rows],
+        "fig6": fig6,
     }
 
 
@@ -249,6 +264,16 @@ def format_tables(args: argparse.Namespace, result: dict) -> str:
             f"{t['rate_difference']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {acc} | {t['mcnemar_p']:.3g} "
             f"({t['paired_discordant'][0]} vs {t['paired_discordant'][1]}) | {t.get('decision', '–')} |"
         )
+    fig6 = [(k, c["fig6"]) for k, c in result["cells"].items() if c.get("fig6")]
+    if fig6:
+        bins = run.MU_BINS[:-1] + [1.0]
+        heads = [f"μ {lo:g}–{hi:g}" for lo, hi in zip(bins[:-1], bins[1:])]
+        lines += ["", "Fig. 6: share of sampled tokens masked or clipped, by μ bin (summed over seeds):", ""]
+        lines += ["| level | method | runs | " + " | ".join(heads) + " |", "|---|---|---|" + "---|" * len(heads)]
+        for key, f in fig6:
+            level, method = key.split("|")
+            shares = " | ".join("–" if v is None else f"{v:.4f}" for v in f["masked_share"])
+            lines.append(f"| {level} | {method} | {f['n_runs']} | {shares} |")
     for block, sub in result.get("blocks", {}).items():
         lines += ["", f"Seeds {block} alone (descriptive):", "", "| level | comparison | collapsed | Fisher p |"]
         lines.append("|---|---|---|---|")
