@@ -35,3 +35,14 @@ def test_record_from_other_settings_is_refused(tmp_path):
     # A fresh sweep into a folder whose record holds its runs must be told to resume, not silently start over.
     with pytest.raises(SystemExit, match="--resume"):
         sweep.main(["--levels", "none", "--methods", "dppo_tv", "--seeds", "0", "--output-dir", str(tmp_path)])
+
+
+def test_a_half_written_run_file_is_not_finished(tmp_path):
+    """A run file caught mid-write (an older worker writing in place) is read again later, never recorded half."""
+    out = tmp_path / "none__dppo_tv__0.json"
+    out.write_text('{"method": "dppo_tv", "seed": 0, "curv')
+    job = {"level": "none", "method": "dppo_tv", "seed": 0, "out": str(out)}
+    assert sweep.job_row(job) is None
+    record: dict = {}
+    sweep.sync_record([job], str(tmp_path / sweep.RECORD), "0" * 16, record)
+    assert record == {} and (tmp_path / sweep.RECORD).read_text() == ""

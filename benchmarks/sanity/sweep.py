@@ -155,10 +155,13 @@ def read_record(path: str, sid: str) -> dict:
     return record
 
 
-def job_row(job: dict) -> dict:
-    """A finished job's row, from its full per-run file."""
-    with open(job["out"]) as f:
-        result = json.load(f)
+def job_row(job: dict) -> dict | None:
+    """A finished job's row, from its full per-run file (None while a worker is still writing it)."""
+    try:
+        with open(job["out"]) as f:
+            result = json.load(f)
+    except json.JSONDecodeError:  # a worker of an older run.py writing in place; it is read again later
+        return None
     if "error" in result:
         return {"level": job["level"], "method": job["method"], "seed": job["seed"], "error": result["error"]}
     return run_row(result, job["level"])
@@ -171,8 +174,11 @@ def sync_record(jobs: list[dict], path: str, sid: str, record: dict) -> None:
             key = (job["level"], job["method"], job["seed"])
             if not os.path.exists(job["out"]) or (key in record and "error" not in record[key]):
                 continue
+            row = job_row(job)
+            if row is None:
+                continue
             # The machine goes with the row: runs are deterministic on one machine, not across machines.
-            row = run._rounded({**job_row(job), "platform": platform.platform()})
+            row = run._rounded({**row, "platform": platform.platform()})
             if key in record and record[key] == row:
                 continue
             record[key] = row
@@ -298,8 +304,9 @@ def aggregate(
     record = record or {}
     for job in jobs:
         key = (job["level"], job["method"], job["seed"])
-        if os.path.exists(job["out"]):
-            rows.append(job_row(job))
+        row = job_row(job) if os.path.exists(job["out"]) else None
+        if row is not None:
+            rows.append(row)
         elif key in record:
             rows.append(record[key])
         else:
