@@ -197,7 +197,8 @@ def test_compare_issue27_readout_on_the_committed_20_seeds(tmp_path):
     assert t["rate_difference"] == pytest.approx(-0.3)
     lo, hi = t["rate_difference_ci95_newcombe"]
     assert lo < -0.3 < hi < 0  # excludes 0, yet Holm p > 0.05: the pre-registered reading is still "undecided"
-    assert t["paired_discordant"] == [1, 7] and t["decision"] == "undecided"
+    assert t["paired_discordant"] == [1, 7] and t["decision_at_this_n"] == "undecided"
+    assert all(t["decision"] == "none (interim)" for t in tests.values())  # interim tables decide nothing
     with open(tmp_path / "compare.json") as f:
         blocks = json.load(f)["blocks"]
     assert blocks["0-4"]["seeds_used"]["none"] == [0, 1, 2, 3, 4]
