@@ -28,25 +28,34 @@ import statistics
 import sys
 
 import run  # this folder's `run.py` (a script's folder is on its import path); sets up the offline environment
-from stats import clopper_pearson, fisher_exact, holm, mean_se
+from stats import clopper_pearson, fisher_exact, holm, mcnemar_exact, mean_se, newcombe_diff
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 METHODS = "dppo_tv,dppo_kl,grpo_clip,clip_higher,pg_is"
 P4_RATIO = 0.7  # P4: DPPO reaches the accuracy threshold in at most this fraction of clip_higher's steps
+MARGIN = 0.15  # issue 27's pre-registered margin: "no difference larger than 15 points" needs the CI inside ±0.15
+Z95 = 1.959963984540054
+ROUNDING = 1e-4  # far above what rounding the stored accuracies (multiples of 1/384 or so) to 5 digits can move
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sweeps", nargs="+", required=True, help="sweep.json files to pool")
+    p.add_argument("--sweeps", nargs="+", required=True, help="sweep.json files (or runs.jsonl records) to pool")
     p.add_argument("--levels", required=True, help="comma-separated levels to analyse")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--reference", default="dppo_tv")
     p.add_argument("--against", default="grpo_clip,clip_higher,pg_is", help="the primary comparisons (Holm family)")
     p.add_argument("--secondary", default="dppo_kl", help="also compared with --against, raw p only")
     p.add_argument("--test-levels", default=None, help="levels to test (default: every level; the others: cells only)")
+    p.add_argument("--margin", type=float, default=MARGIN, help="equivalence margin of the collapse-rate difference")
+    p.add_argument(
+        "--target-seeds", type=int, default=None, help="planned seeds per arm: fewer is reported as interim"
+    )
+    p.add_argument("--seed-blocks", default="", help="also report these seed blocks apart, e.g. 0-19,20-99")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
+    args.seed_blocks = [b.strip() for b in args.seed_blocks.split(",") if b.strip()]
     args.test_levels = args.test_levels or args.levels
     for key in ("levels", "methods", "against", "secondary", "test_levels"):
         setattr(args, key, [x.strip() for x in getattr(args, key).split(",") if x.strip()])
@@ -60,18 +69,45 @@ def steps_to_reach(row: dict) -> int | None:
     return next((s for s, v in run._smoothed(row["curves"]["accuracy"]) if v >= run.REACH_ACCURACY), None)
 
 
+def collapse_margin(row: dict) -> float:
+    """Smoothed final accuracy minus the collapse threshold, from the row's stored accuracy curve (< 0: collapsed).
+
+    The *smoothed* final accuracy (mean of the last `run.SMOOTH` generations) is compared, as `run.run_summary`
+    does, not the last generation alone: a run at 0 for two generations that bounces once at the end collapsed.
+    """
+    acc = row["curves"]["accuracy"]
+    smooth = run._smoothed(acc)
+    if not smooth:
+        return 0.0
+    final, peak = smooth[-1][1], max(v for _, v in smooth)
+    return final - max(peak - run.COLLAPSE_DROP, 0.5 * acc[0][1])
+
+
+def collapsed_from_curve(row: dict) -> bool:
+    """The collapse criterion recounted from the row's stored (rounded) accuracy curve."""
+    return collapse_margin(row) < 0
+
+
 def pool_runs(paths: list[str]) -> tuple[dict, list[dict]]:
     """(level, method, seed) -> run row over every sweep; a seed present twice must agree (it is the same run)."""
     pooled, sources = {}, []
     for path in paths:
         with open(path) as f:
-            sweep = json.load(f)
+            if path.endswith(".jsonl"):  # a sweep's committed record (sweep.py's runs.jsonl): one run per line
+                sweep = {"runs": [json.loads(line) for line in f if line.strip()]}
+            else:
+                sweep = json.load(f)
         sources.append({"path": os.path.relpath(path, run.REPO_ROOT), "command": sweep.get("command")})
         for row in sweep["runs"]:
             if "error" in row:
                 print(f"[compare] skipping failed run {row['level']} {row['method']} {row['seed']}", file=sys.stderr)
                 continue
             key = (row["level"], row["method"], row["seed"])
+            # Stored curves are rounded to 5 significant digits; within ROUNDING of the threshold the stored flag,
+            # computed from the unrounded curve, decides (a final exactly at half the start is not a collapse).
+            margin = collapse_margin(row)
+            if abs(margin) > ROUNDING and (margin < 0) != bool(row["collapsed"]):
+                raise SystemExit(f"[compare] {key} in {path}: the stored collapse flag disagrees with its curve.")
             if key in pooled and pooled[key]["final_accuracy"] != row["final_accuracy"]:
                 raise SystemExit(f"[compare] {key} appears in two sweeps with different results; pool disjoint seeds.")
             pooled[key] = row
@@ -91,6 +127,20 @@ def cell(rows: list[dict]) -> dict:
     reach = [steps_to_reach(r) for r in rows]
     reached = [s for s in reach if s is not None]
     fresh = [r["fresh_mismatch_first"] for r in rows if r.get("fresh_mismatch_first") is not None]
+    # Fig. 6 (rows recorded with sweep.py's μ histograms): masked / kept sampled tokens per μ bin, summed over seeds.
+    with_hist = [r for r in rows if "mu_hist_masked" in r]
+    fig6 = None
+    if with_hist:
+        masked = [sum(col) for col in zip(*(r["mu_hist_masked"] for r in with_hist))]
+        kept = [sum(col) for col in zip(*(r["mu_hist_kept"] for r in with_hist))]
+        fig6 = {
+            "mu_bins": run.MU_BINS[:-1] + [1.0],
+            "n_runs": len(with_hist),
+            "masked": masked,
+            "kept": kept,
+            "masked_share": [m / (m + k) if m + k else None for m, k in zip(masked, kept)],
+            "sampled_share": [(m + k) / max(1, sum(masked) + sum(kept)) for m, k in zip(masked, kept)],
+        }
     return {
         "n": n,
         "collapsed": collapsed,
@@ -103,7 +153,18 @@ def cell(rows: list[dict]) -> dict:
         "steps_to_20pct": reach,
         "fresh_mismatch_first_mean": sum(fresh) / len(fresh) if fresh else None,
         "seeds": [r["seed"] for r in rows],
+        "fig6": fig6,
     }
+
+
+def decide(test: dict, margin: float) -> str:
+    """The pre-registered reading of one primary comparison (docs/results.md, issue 27)."""
+    lo, hi = test["rate_difference_ci95_newcombe"]
+    if test["p_holm"] < 0.05:
+        return "DPPO-TV less stable" if test["rate_difference"] > 0 else "DPPO-TV more stable"
+    if -margin <= lo and hi <= margin:
+        return f"no difference larger than {margin:g}"
+    return "undecided"
 
 
 def analyse(args: argparse.Namespace, pooled: dict) -> dict:
@@ -121,6 +182,16 @@ def analyse(args: argparse.Namespace, pooled: dict) -> dict:
         ca, cb = cells.get(f"{level}|{a}"), cells.get(f"{level}|{b}")
         if ca is None or cb is None:
             return None
+        # Seeds paired across methods (same data order and initial weights): the discordant ones for McNemar.
+        only_a = sum(
+            pooled[(level, a, s)]["collapsed"] and not pooled[(level, b, s)]["collapsed"] for s in ca["seeds"]
+        )
+        only_b = sum(
+            pooled[(level, b, s)]["collapsed"] and not pooled[(level, a, s)]["collapsed"] for s in ca["seeds"]
+        )
+        se = [c["final_accuracy_se"] for c in (ca, cb)]
+        acc_diff = ca["final_accuracy_mean"] - cb["final_accuracy_mean"]
+        half = None if None in se else Z95 * (se[0] ** 2 + se[1] ** 2) ** 0.5
         return {
             "level": level,
             "method": a,
@@ -128,12 +199,19 @@ def analyse(args: argparse.Namespace, pooled: dict) -> dict:
             "collapsed": [ca["collapsed"], ca["n"]],
             "against_collapsed": [cb["collapsed"], cb["n"]],
             "p_two_sided": fisher_exact(ca["collapsed"], ca["n"], cb["collapsed"], cb["n"]),
+            "rate_difference": ca["collapse_rate"] - cb["collapse_rate"],
+            "rate_difference_ci95_newcombe": list(newcombe_diff(ca["collapsed"], ca["n"], cb["collapsed"], cb["n"])),
+            "final_accuracy_difference": acc_diff,
+            "final_accuracy_difference_ci95": None if half is None else [acc_diff - half, acc_diff + half],
+            "paired_discordant": [only_a, only_b],
+            "mcnemar_p": mcnemar_exact(only_a, only_b),
         }
 
     primary = [c for lvl in args.test_levels for b in args.against if (c := compare(lvl, args.reference, b))]
     for c, p_adj in zip(primary, holm([c["p_two_sided"] for c in primary])):
         c["p_holm"] = p_adj
         c["significant_holm_0.05"] = p_adj < 0.05
+        c["decision"] = decide(c, args.margin)
     secondary = [
         c for lvl in args.test_levels for a in args.secondary for b in args.against if (c := compare(lvl, a, b))
     ]
@@ -146,6 +224,18 @@ def analyse(args: argparse.Namespace, pooled: dict) -> dict:
         else:
             p4[level] = {"ratio_of_medians": None, "holds": None}
     return {"seeds_used": seeds_used, "cells": cells, "primary_tests": primary, "secondary_tests": secondary, "p4": p4}
+
+
+def analyse_blocks(args: argparse.Namespace, pooled: dict) -> dict:
+    """The same analysis on each seed block alone (e.g. runs from two machines), descriptive."""
+    from sweep import parse_seeds
+
+    blocks = {}
+    for block in args.seed_blocks:
+        keep = set(parse_seeds(block))
+        sub = {k: v for k, v in pooled.items() if k[2] in keep}
+        blocks[block] = analyse(args, sub)
+    return blocks
 
 
 def format_tables(args: argparse.Namespace, result: dict) -> str:
@@ -166,13 +256,41 @@ def format_tables(args: argparse.Namespace, result: dict) -> str:
                 f"| {level} | {method} | {c['n']} | {c['collapsed']}/{c['n']} | [{lo:.2f}, {hi:.2f}] | "
                 f"{c['final_accuracy_mean']:.3f} ± {se} | {c['reached_20pct']}/{c['n']} | {med} |"
             )
-    lines += ["", "| level | comparison | collapsed | Fisher p (two-sided) | Holm p |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| level | comparison | collapsed | Fisher p (two-sided) | Holm p | rate difference [95% Newcombe] | "
+        "final acc difference [95%] | paired McNemar p (discordant) | reading |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in result["primary_tests"] + result["secondary_tests"]:
         holm_p = f"{t['p_holm']:.3g}" if "p_holm" in t else "– (secondary)"
+        lo, hi = t["rate_difference_ci95_newcombe"]
+        acc = t["final_accuracy_difference_ci95"]
+        acc = "–" if acc is None else f"{t['final_accuracy_difference']:+.3f} [{acc[0]:+.3f}, {acc[1]:+.3f}]"
         lines.append(
             f"| {t['level']} | {t['method']} vs {t['against']} | {t['collapsed'][0]}/{t['collapsed'][1]} vs "
-            f"{t['against_collapsed'][0]}/{t['against_collapsed'][1]} | {t['p_two_sided']:.3g} | {holm_p} |"
+            f"{t['against_collapsed'][0]}/{t['against_collapsed'][1]} | {t['p_two_sided']:.3g} | {holm_p} | "
+            f"{t['rate_difference']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {acc} | {t['mcnemar_p']:.3g} "
+            f"({t['paired_discordant'][0]} vs {t['paired_discordant'][1]}) | {t.get('decision', '–')} |"
         )
+    fig6 = [(k, c["fig6"]) for k, c in result["cells"].items() if c.get("fig6")]
+    if fig6:
+        bins = run.MU_BINS[:-1] + [1.0]
+        heads = [f"μ {lo:g}–{hi:g}" for lo, hi in zip(bins[:-1], bins[1:])]
+        lines += ["", "Fig. 6: share of sampled tokens masked or clipped, by μ bin (summed over seeds):", ""]
+        lines += ["| level | method | runs | " + " | ".join(heads) + " |", "|---|---|---|" + "---|" * len(heads)]
+        for key, f in fig6:
+            level, method = key.split("|")
+            shares = " | ".join("–" if v is None else f"{v:.4f}" for v in f["masked_share"])
+            lines.append(f"| {level} | {method} | {f['n_runs']} | {shares} |")
+    for block, sub in result.get("blocks", {}).items():
+        lines += ["", f"Seeds {block} alone (descriptive):", "", "| level | comparison | collapsed | Fisher p |"]
+        lines.append("|---|---|---|---|")
+        for t in sub["primary_tests"]:
+            lines.append(
+                f"| {t['level']} | {t['method']} vs {t['against']} | {t['collapsed'][0]}/{t['collapsed'][1]} vs "
+                f"{t['against_collapsed'][0]}/{t['against_collapsed'][1]} | {t['p_two_sided']:.3g} |"
+            )
     return "\n".join(lines)
 
 
@@ -230,6 +348,22 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     pooled, sources = pool_runs(args.sweeps)
     result = analyse(args, pooled)
+    if args.seed_blocks:
+        result["blocks"] = {
+            b: {k: v for k, v in sub.items() if k in ("seeds_used", "primary_tests")}
+            for b, sub in analyse_blocks(args, pooled).items()
+        }
+    n_min = min((len(s) for s in result["seeds_used"].values()), default=0)
+    if args.target_seeds and n_min < args.target_seeds:
+        # The pre-registered reading is taken once, at the planned N; an interim table shows it only as "at this N".
+        for t in result["primary_tests"]:
+            t["decision_at_this_n"], t["decision"] = t["decision"], "none (interim)"
+    if args.target_seeds:
+        result["status"] = (
+            f"final: {n_min} seeds per arm"
+            if n_min >= args.target_seeds
+            else f"interim: {n_min} of {args.target_seeds} planned seeds per arm; decides nothing"
+        )
     os.makedirs(args.output_dir, exist_ok=True)
     argv = sys.argv[1:] if argv is None else argv
     out = {
@@ -239,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
             "outcome": "collapsed (sweep.py / run.py criterion)",
             "test": "Fisher's exact test, two-sided; Holm–Bonferroni over the primary comparisons",
             "interval": "Clopper–Pearson exact 95%",
+            "difference_interval": "Newcombe hybrid score 95% (method 10) of the collapse-rate difference; "
+            "final accuracy difference ± 1.96 √(s.e.₁² + s.e.₂²)",
+            "decided": f"Holm p < 0.05, or the 95% Newcombe interval inside ±{args.margin:g}",
             "reference": args.reference,
             "against": args.against,
             "secondary": args.secondary,
@@ -254,9 +391,11 @@ def main(argv: list[str] | None = None) -> dict:
         f.write("\n")
     tables = format_tables(args, result)
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
-        f.write(f"`{out['command']}`\n\n{tables}\n")
+        status = f"Status: {result['status']}.\n\n" if "status" in result else ""
+        f.write(f"`{out['command']}`\n\n{status}{tables}\n")
     print(tables, file=sys.stderr)
-    print(json.dumps(run._rounded({k: out[k] for k in ("primary_tests", "secondary_tests", "p4", "seeds_used")})))
+    keys = ("primary_tests", "secondary_tests", "p4", "seeds_used", "status")
+    print(json.dumps(run._rounded({k: out[k] for k in keys if k in out})))
     return out
 
 

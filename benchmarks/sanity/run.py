@@ -272,8 +272,10 @@ def worker(spec_path: str) -> None:
             result = {"method": job["method"], "seed": job["seed"], "error": f"{type(err).__name__}: {err}"}
             failed += 1
         result["wall_seconds"] = round(time.time() - started, 1)
-        with open(job["out"], "w") as f:
+        # Written whole, then renamed: a sweep reading finished runs while this worker goes on never sees half a file.
+        with open(job["out"] + ".tmp", "w") as f:
             json.dump(result, f)
+        os.replace(job["out"] + ".tmp", job["out"])
         print(f"[sanity] {job['method']} seed={job['seed']} done in {result['wall_seconds']}s", flush=True)
     if failed:
         sys.exit(1)  # keeps this worker's log (tracebacks) next to the results

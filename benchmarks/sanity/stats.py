@@ -4,6 +4,8 @@
 - `fisher_exact`: Fisher's exact test on a 2×2 table (collapsed / not collapsed, method A / method B);
 - `clopper_pearson`: the exact binomial 95% interval of a collapse rate;
 - `wilson`: the Wilson score interval (reported next to it where a closed form is handier);
+- `newcombe_diff`: Newcombe's hybrid-score 95% interval of a difference of two proportions (from two Wilson intervals);
+- `mcnemar_exact`: the exact McNemar test on paired binary outcomes (the discordant pairs);
 - `holm`: Holm–Bonferroni adjusted p-values for a family of comparisons;
 - `mean_se`: mean and standard error (sample s.d. / √n).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
-__all__ = ["clopper_pearson", "fisher_exact", "holm", "mean_se", "wilson"]
+__all__ = ["clopper_pearson", "fisher_exact", "holm", "mcnemar_exact", "mean_se", "newcombe_diff", "wilson"]
 
 # Tables whose probability is within this relative margin of the observed one count as "as extreme" (SciPy's rule:
 # it keeps floating-point ties of symmetric tables in the two-sided p).
@@ -84,6 +86,27 @@ def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def newcombe_diff(a: int, n_a: int, b: int, n_b: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Interval of a/n_a − b/n_b: Newcombe's hybrid score method (1998, method 10), from the two Wilson intervals."""
+    p_a, p_b = a / n_a, b / n_b
+    lo_a, hi_a = wilson(a, n_a, confidence)
+    lo_b, hi_b = wilson(b, n_b, confidence)
+    d = p_a - p_b
+    return (
+        d - math.sqrt((p_a - lo_a) ** 2 + (hi_b - p_b) ** 2),
+        d + math.sqrt((hi_a - p_a) ** 2 + (p_b - lo_b) ** 2),
+    )
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar p: `only_a` pairs where only A had the event, `only_b` where only B had it."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(0, min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 def holm(pvalues: list[float]) -> list[float]:

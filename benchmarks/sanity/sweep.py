@@ -17,16 +17,20 @@ python benchmarks/sanity/sweep.py --quick --output-dir /tmp/sweep    # smoke tes
 
 Writes `sweep.json` (settings, versions, model sha, command, every run's summary and compact curves), `sweep.csv`,
 `sweep.md` and `sweep.png` (final accuracy and collapse rate against fresh mismatch, per method, seed bands) to
-`--output-dir`. Finished runs are kept under `OUTPUT_DIR/runs/` so that `--resume` only runs what is missing; the JSON
-says whether the sweep is complete.
+`--output-dir`. Each finished run's compact summary (the `runs` row of `sweep.json`, under 1 kB) is appended to
+`OUTPUT_DIR/runs.jsonl` as soon as it finishes; that file is meant to be committed. `--resume` skips every run found
+there or under `OUTPUT_DIR/runs/` (the full per-run files, not committed) and reruns failed ones, so a fresh clone
+continues a sweep exactly where a committed `runs.jsonl` stopped. Seeds may be given as ranges (`--seeds 20-39`).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -49,6 +53,7 @@ DEFAULT_LEVELS = "none,noise=0.3,noise=0.5,noise=0.6"
 DEFAULT_METHODS = "dppo_tv,dppo_kl,grpo_clip,clip_higher,cispo,pg_is,dppo_recompute"
 ANCHORED_ON_PI_OLD = {"dppo_recompute"}  # its logged |π − μ| is against the recomputed π_old, not the engine
 PORT_BASE = 29950  # the sweep's block: 29950-29989 (run.py uses 29800-29899)
+RECORD = "runs.jsonl"  # committed: one compact line per finished run (see the module docstring)
 QUICK = {
     "levels": "none,noise=0.5",
     "methods": "dppo_tv,pg_is",
@@ -62,21 +67,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT)
     p.add_argument("--levels", default=DEFAULT_LEVELS, help="comma-separated --mismatch specs (see mismatch.py)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated run.py methods")
-    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds or ranges: 0,1,2 or 20-39")
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run (run.py's main run: 160)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--mismatch-seed", type=int, default=0, help="seed of the noise pattern (one engine per level)")
+    p.add_argument("--model", default=None, help="model folder (default: run.py's, examples/tiny_math_model)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port-base", type=int, default=PORT_BASE)
     p.add_argument("--resume", action="store_true", help="keep finished runs in OUTPUT_DIR/runs, run the rest")
     p.add_argument("--reaggregate", action="store_true", help="redo the JSON/tables/plot from OUTPUT_DIR/runs")
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 levels x 2 methods x 1 seed, 2 steps")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: 2 levels x 2 methods x 1 seed (unless given), 2 steps"
+    )
     args = p.parse_args(argv)
     args.run_args = ["--steps", str(args.steps), "--learning-rate", str(args.learning_rate)]
+    model_args = ["--model", os.path.abspath(args.model)] if args.model else []
+    args.run_args += model_args
     if args.quick:
-        args.levels, args.methods, args.seeds = QUICK["levels"], QUICK["methods"], QUICK["seeds"]
-        args.run_args = QUICK["run_args"]
+        # The smoke test's levels, methods and seeds, unless given (the resume test picks its own).
+        for key in ("levels", "methods", "seeds"):
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, QUICK[key])
+        args.run_args = QUICK["run_args"] + model_args
     args.level_list = [lvl.strip() for lvl in args.levels.split(",") if lvl.strip()]
     for level in args.level_list:
         parse_level(level)  # a clear error before any worker starts
@@ -84,13 +97,93 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.method_list if m not in run.METHODS]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {list(run.METHODS)}")
-    args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.seed_list = parse_seeds(args.seeds)
     return args
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """`0,1,5-7` -> [0, 1, 5, 6, 7] (ranges inclusive, order kept, repeats dropped)."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        for seed in range(int(lo), int(hi or lo) + 1):
+            if seed not in seeds:
+                seeds.append(seed)
+    return seeds
 
 
 def run_settings(args: argparse.Namespace) -> argparse.Namespace:
     """run.py's settings for every job of the sweep (its defaults, plus steps and lr, or its --quick)."""
     return run.parse_args(args.run_args)
+
+
+def settings_id(args: argparse.Namespace) -> str:
+    """Fingerprint of everything a run's result depends on besides (level, method, seed): the record refuses to mix."""
+    settings = run_settings(args)
+    key = {
+        **run.training_settings(settings),
+        "mismatch_seed": args.mismatch_seed,
+        "data": os.path.relpath(settings.data, REPO_ROOT),
+        "max_train_samples": settings.max_train_samples,
+        "model_sha256": run._file_sha256(os.path.join(settings.model, "model.safetensors")),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _key(row: dict) -> tuple[str, str, int]:
+    return row["level"], row["method"], int(row["seed"])
+
+
+def read_record(path: str, sid: str) -> dict:
+    """(level, method, seed) -> row of the committed record; a later line for the same run wins (a retried failure)."""
+    record = {}
+    if not os.path.exists(path):
+        return record
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if entry.pop("settings_id") != sid:
+                raise SystemExit(
+                    f"[sweep] {path}:{n} was written with other settings (steps, lr, model, data or mismatch seed) "
+                    "than this command's; continue it with its own settings or choose another --output-dir."
+                )
+            record[_key(entry)] = entry
+    return record
+
+
+def job_row(job: dict) -> dict | None:
+    """A finished job's row, from its full per-run file (None while a worker is still writing it)."""
+    try:
+        with open(job["out"]) as f:
+            result = json.load(f)
+    except json.JSONDecodeError:  # a worker of an older run.py writing in place; it is read again later
+        return None
+    if "error" in result:
+        return {"level": job["level"], "method": job["method"], "seed": job["seed"], "error": result["error"]}
+    return run_row(result, job["level"])
+
+
+def sync_record(jobs: list[dict], path: str, sid: str, record: dict) -> None:
+    """Append every job whose per-run file exists and whose row the record lacks (or holds only as a failure)."""
+    with open(path, "a") as f:
+        for job in jobs:
+            key = (job["level"], job["method"], job["seed"])
+            if not os.path.exists(job["out"]) or (key in record and "error" not in record[key]):
+                continue
+            row = job_row(job)
+            if row is None:
+                continue
+            # The machine goes with the row: runs are deterministic on one machine, not across machines.
+            row = run._rounded({**row, "platform": platform.platform()})
+            if key in record and record[key] == row:
+                continue
+            record[key] = row
+            f.write(json.dumps({"settings_id": sid, **record[key]}, separators=(",", ":")) + "\n")
+            f.flush()
 
 
 def _run_file(runs_dir: str, level: str, method: str, seed: int) -> str:
@@ -117,8 +210,8 @@ def plan_jobs(args: argparse.Namespace, runs_dir: str) -> list[dict]:
     return jobs
 
 
-def train(args: argparse.Namespace, jobs: list[dict], log_dir: str) -> None:
-    """Run `jobs` on `args.workers` run.py worker processes; prints progress as runs finish."""
+def train(args: argparse.Namespace, jobs: list[dict], log_dir: str, on_progress=None) -> None:
+    """Run `jobs` on `args.workers` run.py worker processes; prints progress (and calls `on_progress`) as runs finish."""
     settings = {k: v for k, v in vars(run_settings(args)).items() if k not in ("worker_spec", "reaggregate")}
     if not jobs:
         return
@@ -140,6 +233,8 @@ def train(args: argparse.Namespace, jobs: list[dict], log_dir: str) -> None:
             done = sum(os.path.exists(job["out"]) for job in jobs)
             if done != reported:
                 reported = done
+                if on_progress is not None:
+                    on_progress()
                 elapsed = time.time() - start
                 eta = elapsed / done * (len(jobs) - done)
                 print(
@@ -179,6 +274,9 @@ def run_row(result: dict, level: str) -> dict:
         "fresh_mismatch_max_token": max(fresh_max) if fresh_max else None,
         "peak_mismatch_abs_mean": summary["peak_mismatch_abs_mean"],
         "mean_mask_ratio": sum(clip) / len(clip) if clip else None,
+        # Fig. 6: sampled tokens the trust region masked / kept, by μ bin (run.MU_BINS), over the whole run.
+        "mu_hist_masked": result["fig6"]["mu_hist_masked"],
+        "mu_hist_kept": result["fig6"]["mu_hist_kept"],
         "final_entropy": summary["final_entropy"],
         "train_seconds": result.get("train_seconds"),
         "curves": {
@@ -195,21 +293,24 @@ def _stats(values: list[float]) -> dict | None:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
-def aggregate(args: argparse.Namespace, jobs: list[dict]) -> tuple[list[dict], dict, dict, list[dict]]:
-    """Rows per run, cells per (level, method), each level's calibrated fresh mismatch, and the missing jobs."""
+def aggregate(
+    args: argparse.Namespace, jobs: list[dict], record: dict | None = None
+) -> tuple[list[dict], dict, dict, list[dict]]:
+    """Rows per run, cells per (level, method), each level's calibrated fresh mismatch, and the missing jobs.
+
+    A job's row comes from its per-run file, else from the committed `record`.
+    """
     rows, missing = [], []
+    record = record or {}
     for job in jobs:
-        if not os.path.exists(job["out"]):
-            missing.append({k: job[k] for k in ("level", "method", "seed")})
-            continue
-        with open(job["out"]) as f:
-            result = json.load(f)
-        if "error" in result:
-            rows.append(
-                {"level": job["level"], "method": job["method"], "seed": job["seed"], "error": result["error"]}
-            )
+        key = (job["level"], job["method"], job["seed"])
+        row = job_row(job) if os.path.exists(job["out"]) else None
+        if row is not None:
+            rows.append(row)
+        elif key in record:
+            rows.append(record[key])
         else:
-            rows.append(run_row(result, job["level"]))
+            missing.append({k: job[k] for k in ("level", "method", "seed")})
     levels = {}
     for level in args.level_list:
         # The engine-vs-trainer gap of a level: μ-anchored runs only (π_old-anchored ones log drift, not the engine).
@@ -357,8 +458,8 @@ def plot(args: argparse.Namespace, rows: list[dict], levels: dict, path: str) ->
     return path
 
 
-def report(args: argparse.Namespace, jobs: list[dict], header: dict) -> dict:
-    rows, cells, levels, missing = aggregate(args, jobs)
+def report(args: argparse.Namespace, jobs: list[dict], header: dict, record: dict | None = None) -> dict:
+    rows, cells, levels, missing = aggregate(args, jobs, record)
     out_dir = args.output_dir
     png = plot(args, rows, levels, os.path.join(out_dir, "sweep.png"))
     table = format_table(args, cells, levels)
@@ -431,35 +532,61 @@ def main(argv: list[str] | None = None) -> dict:
     runs_dir = os.path.join(args.output_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     jobs = plan_jobs(args, runs_dir)
-    header_path = os.path.join(runs_dir, "header.json")
+    # The header (command, resumptions, wall time) sits next to the record so that it is committed with it.
+    header_path = os.path.join(args.output_dir, "header.json")
+    old_header_path = os.path.join(runs_dir, "header.json")  # where sweeps before the record kept it
+    record_path, sid = os.path.join(args.output_dir, RECORD), settings_id(args)
+    record = read_record(record_path, sid)
     argv = sys.argv[1:] if argv is None else argv
     command = " ".join(["python", os.path.relpath(__file__, REPO_ROOT), *argv])
     if args.reaggregate:
-        if os.path.exists(header_path):
-            with open(header_path) as f:
-                return report(args, jobs, json.load(f))
-        # The sweep was stopped (or is still running): its header was never written, so rebuild it; no wall time.
+        sync_record(jobs, record_path, sid, record)
+        for path in (header_path, old_header_path):
+            if os.path.exists(path):
+                with open(path) as f:
+                    return report(args, jobs, json.load(f), record)
+        # The sweep was stopped (or is still running): its header was never written, so rebuild it (no wall time)
+        # and keep it next to the record, so that the settings and versions are committed with the runs.
         sweep_command = " ".join(
             ["python", os.path.relpath(__file__, REPO_ROOT), *(a for a in argv if a != "--reaggregate")]
         )
-        return report(args, jobs, make_header(args, sweep_command, {}, None, None))
+        header = make_header(args, sweep_command, {}, None, None)
+        with open(header_path, "w") as f:
+            json.dump(header, f, indent=1)
+        return report(args, jobs, header, record)
     if not args.resume:
+        if any((job["level"], job["method"], job["seed"]) in record for job in jobs):
+            raise SystemExit(
+                f"[sweep] {record_path} already holds runs of this sweep: pass --resume to continue it, or choose "
+                "another --output-dir."
+            )
         for job in jobs:
             if os.path.exists(job["out"]):
                 os.remove(job["out"])
-    todo = [job for job in jobs if not os.path.exists(job["out"])]
+    sync_record(jobs, record_path, sid, record)
+
+    def finished(job: dict) -> bool:
+        row = record.get((job["level"], job["method"], job["seed"]))
+        return row is not None and "error" not in row
+
+    for job in jobs:  # --resume reruns failed runs
+        if not finished(job) and os.path.exists(job["out"]):
+            os.remove(job["out"])
+    todo = [job for job in jobs if not finished(job)]
     previous = {}
-    if args.resume and os.path.exists(header_path):
-        with open(header_path) as f:
-            previous = json.load(f)
+    for path in (header_path, old_header_path):
+        if args.resume and not previous and os.path.exists(path):
+            with open(path) as f:
+                previous = json.load(f)
     load_before = load_average()
     start = time.time()
     print(f"[sweep] {len(todo)} of {len(jobs)} runs to do on {args.workers} workers", flush=True)
-    train(args, todo, os.path.join(args.output_dir, "logs"))
+    train(args, todo, os.path.join(args.output_dir, "logs"), lambda: sync_record(todo, record_path, sid, record))
+    sync_record(jobs, record_path, sid, record)
     header = make_header(args, command, previous, load_before, time.time() - start)
     with open(header_path, "w") as f:
         json.dump(header, f)
-    return report(args, jobs, header)
+    return report(args, jobs, header, record)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,36 @@ DECISIONS = {
     ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
     "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_engine/sweep.json "
     "--levels none,kv=fp8_e5m2 --test-levels kv=fp8_e5m2 --output-dir benchmarks/sanity/results/mismatch_engine": Run(),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher "
+    "--seeds 20-99 --workers 1 --threads 1 --resume --output-dir benchmarks/sanity/results/mismatch_seeds100 "
+    "--port-base 36000": CannotRun(
+        "480 runs, hours of 2 cores (issue 27's study, run in chunks); resuming from the record is covered by "
+        "tests/test_mismatch_sweep.py::test_resume_from_the_committed_record"
+    ),
+    ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher "
+    "--seeds 20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100 --reaggregate": Covered(
+        "tests/test_mismatch_sweep.py"
+    ),
+    ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
+    "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_seeds100/runs.jsonl "
+    "--levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher --against grpo_clip,clip_higher --secondary '' "
+    "--target-seeds 100 --seed-blocks 0-19,20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100": Run(),
+    ".venv/bin/python scripts/make_tiny_math_bpe_model.py": CannotRun(
+        "7 minutes of SFT on 1 core (the committed examples/tiny_math_bpe_model); tests/test_tiny_bpe.py trains its "
+        "tokenizer shrunk and checks the committed build"
+    ),
+    ".venv/bin/python benchmarks/sanity/token_tail.py --output benchmarks/sanity/results/token_tail.json": Run(
+        ("--problems", "2", "--samples", "2")
+    ),
+    ".venv/bin/python benchmarks/sanity/sweep.py --model examples/tiny_math_bpe_model --levels noise=0.3 --methods "
+    "dppo_tv,grpo_clip,clip_higher --seeds 0-39 --workers 1 --threads 1 --resume --output-dir "
+    "benchmarks/sanity/results/bpe_seeds40 --port-base 36000": CannotRun(
+        "120 runs, about an hour of 2 cores (issue 27's second study, run in chunks); the sweep's --quick form is "
+        "covered"
+    ),
+    ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/bpe_seeds40/runs.jsonl "
+    "--levels noise=0.3 --methods dppo_tv,grpo_clip,clip_higher --against grpo_clip,clip_higher --secondary '' "
+    "--target-seeds 40 --output-dir benchmarks/sanity/results/bpe_seeds40": Run(),
     # docs/async.md
     ".venv/bin/python examples/train_dapo_math_async.py": Run(
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")

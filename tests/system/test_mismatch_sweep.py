@@ -73,3 +73,53 @@ def test_quick_sweep_table_csv_and_plot(quick_sweep):
     assert table.startswith("Status: complete") and table.count("| noise=0.5 |") == 2
     png = out / "sweep.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_from_the_committed_record(tmp_path):
+    """A fresh clone has only the committed `runs.jsonl`: `--resume` runs just the missing seed and pools the rest."""
+    if not os.path.isdir(MODEL):
+        pytest.skip("examples/tiny_math_model is not built (scripts/make_tiny_math_model.py)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "examples")])}
+    base = [
+        sys.executable,
+        SWEEP,
+        "--quick",
+        "--levels",
+        "none",
+        "--methods",
+        "dppo_tv",
+        "--output-dir",
+        str(tmp_path),
+    ]
+    port = ["--port-base", str(int(os.environ.get("DPPO_TEST_PORT_BASE", "29980")) + 7)]
+
+    def sweep(*extra):
+        proc = subprocess.run([*base, *port, *extra], capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    first = sweep("--seeds", "0")
+    assert "1 of 1 runs to do" in first.stderr
+    record = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(record) == 1 and json.loads(record[0])["seed"] == 0
+    # What a fresh clone holds: the committed record and header, no per-run files, no logs.
+    for name in ("runs", "logs"):
+        for path in (tmp_path / name).iterdir():
+            path.unlink()
+    second = sweep("--seeds", "0-1", "--resume")
+    assert "1 of 2 runs to do" in second.stderr
+    with open(tmp_path / "sweep.json") as f:
+        result = json.load(f)
+    assert result["status"] == "complete" and [r["seed"] for r in result["runs"]] == [0, 1]
+    seed0 = {k: v for k, v in json.loads(record[0]).items() if k != "settings_id"}
+    assert result["runs"][0] == seed0  # the committed row, not a rerun
+    lines = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in lines] == [0, 1] and len({r["settings_id"] for r in lines}) == 1
+    assert len(result["resumed_with"]) == 1  # the header travelled with the record
+    assert all(r["platform"] for r in lines)
+    # --reaggregate (what the lead runs before committing) writes the partial state without running anything.
+    proc = subprocess.run([*base, "--seeds", "0-2", "--reaggregate"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["missing"] == [
+        {"level": "none", "method": "dppo_tv", "seed": 2}
+    ]
+    assert (tmp_path / "runs.jsonl").read_text().splitlines() == [json.dumps(r, separators=(",", ":")) for r in lines]
