@@ -154,18 +154,18 @@ DECISIONS = {
     "--seeds 20-99 --workers 1 --threads 1 --resume --output-dir benchmarks/sanity/results/mismatch_seeds100 "
     "--port-base 36000": CannotRun(
         "480 runs, hours of 2 cores (issue 27's study, run in chunks); resuming from the record is covered by "
-        "tests/test_mismatch_sweep.py::test_resume_from_the_committed_record"
+        "tests/system/test_mismatch_sweep.py::test_resume_from_the_committed_record"
     ),
     ".venv/bin/python benchmarks/sanity/sweep.py --levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher "
     "--seeds 20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100 --reaggregate": Covered(
-        "tests/test_mismatch_sweep.py"
+        "tests/system/test_mismatch_sweep.py"
     ),
     ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/mismatch_sweep/sweep.json "
     "benchmarks/sanity/results/mismatch_seeds/sweep.json benchmarks/sanity/results/mismatch_seeds100/runs.jsonl "
     "--levels none,noise=0.3 --methods dppo_tv,grpo_clip,clip_higher --against grpo_clip,clip_higher --secondary '' "
     "--target-seeds 100 --seed-blocks 0-19,20-99 --output-dir benchmarks/sanity/results/mismatch_seeds100": Run(),
     ".venv/bin/python scripts/make_tiny_math_bpe_model.py": CannotRun(
-        "7 minutes of SFT on 1 core (the committed examples/tiny_math_bpe_model); tests/test_tiny_bpe.py trains its "
+        "7 minutes of SFT on 1 core (the committed examples/tiny_math_bpe_model); tests/unit/test_tiny_bpe.py trains its "
         "tokenizer shrunk and checks the committed build"
     ),
     ".venv/bin/python benchmarks/sanity/token_tail.py --output benchmarks/sanity/results/token_tail.json": Run(

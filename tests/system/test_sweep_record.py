@@ -1,6 +1,6 @@
 """`sweep.py`'s committed record (`runs.jsonl`): seed ranges, and a record written with other settings is refused.
 
-The real resume, with real runs, is in tests/test_mismatch_sweep.py (`test_resume_from_the_committed_record`).
+The real resume, with real runs, is in tests/system/test_mismatch_sweep.py (`test_resume_from_the_committed_record`).
 """
 
 import json

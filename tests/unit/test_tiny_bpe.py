@@ -10,7 +10,7 @@ import pytest
 
 from dppo_dev.tiny_bpe import SPECIAL_TOKENS, build_bpe_model, task_corpus, train_bpe_tokenizer
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_bpe_model")
 
 
