@@ -19,6 +19,8 @@ base agent with room for RL:
 - a malformed call (broken JSON or a missing closing tag), which TRL's parser leaves as plain text, so no tool runs;
 - a call with a wrong argument (one digit changed), which yields a wrong tool result and a wrong answer;
 - an answer without the tool (a wrong guess near the product).
+
+Every reply opens with Qwen3's empty thinking block (`<think>\n\n</think>\n\n`, see `THINK_PREFIX`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 __all__ = [
     "AGENT_SOURCE",
     "AGENT_TAG_TOKENS",
+    "THINK_PREFIX",
     "SFT_MIXTURE",
     "agent_reward",
     "build_agent_tokenizer",
@@ -72,6 +75,10 @@ def qwen3_chat_template() -> str:
     return files("trl").joinpath("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
 
 
+# Every reply opens with an empty thinking block, as Qwen3 writes one in thinking mode: TRL's training template renders
+# past assistant turns with it, so a conversation re-rendered from messages (the async rollout worker does this each
+# turn) reproduces the sampled tokens exactly.
+THINK_PREFIX = "<think>\n\n</think>\n\n"
 # Qwen3's tags, one token each (as in Qwen3's own vocabulary) so replies are short enough to learn on a CPU.
 AGENT_TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 
@@ -185,11 +192,14 @@ def encode_episode(tokenizer, template: str, prompt_ids: list[int], a: int, b: i
     def enc(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def reply(text: str) -> list[int]:
+        return enc(THINK_PREFIX + text) + eos
+
     if kind == "no_tool":
         guess = a * b + rng.choice([-1, 1]) * rng.randint(1, max(2, a * b // 10))
-        turns = [enc(f"Answer: {guess}") + eos]
+        turns = [reply(f"Answer: {guess}")]
     elif kind == "malformed":
-        turns = [enc(_malformed_call_text(a, b, rng)) + eos]
+        turns = [reply(_malformed_call_text(a, b, rng))]
     else:
         ca, cb = (
             (a, b)
@@ -198,9 +208,9 @@ def encode_episode(tokenizer, template: str, prompt_ids: list[int], a: int, b: i
         )
         result = str(ca * cb)
         turns = [
-            enc(_call_text(ca, cb)) + eos,
+            reply(_call_text(ca, cb)),
             enc(_suffix_text(tokenizer, template, result)),
-            enc(f"Answer: {result}") + eos,
+            reply(f"Answer: {result}"),
         ]
     input_ids, labels = list(prompt_ids), [-100] * len(prompt_ids)
     for i, ids in enumerate(turns):
@@ -292,12 +302,21 @@ def _generate(model, tokenizer, ids_list: list[list[int]], temperature: float, m
 
 
 def sample_episode_text(
-    model, tokenizer, rows: Sequence[dict], temperature: float = 1.0, max_new_tokens: int = 64, seed: int = 0
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    temperature: float = 1.0,
+    max_new_tokens: int = 80,
+    seed: int = 0,
+    max_tool_calls: int = 1,
+    tool=multiply,
 ) -> list[dict]:
     """Run each row's episode with transformers generation and the real tool, the way TRL's tool loop does.
 
-    Returns one record per row: the parsed first reply, whether a tool ran, the final text and the reward. Used by the
-    build script's sanity check and by the rebuild test (greedy with `temperature=0`).
+    Up to `max_tool_calls` tool rounds: a reply with a parsed call gets the tool result spliced after it (or TRL's
+    error message when the tool raises) and the row generates again. Returns one record per row: the first reply's
+    text, whether a tool ran, the number of assistant turns, the final reply's content and the reward. Used by the
+    build script's sanity check, the rebuild test (greedy with `temperature=0`) and `examples/train_tool_agent.py`.
     """
     from trl.chat_template_utils import add_response_schema, get_training_chat_template, parse_response
 
@@ -305,30 +324,35 @@ def sample_episode_text(
         tokenizer = add_response_schema(copy.deepcopy(tokenizer))  # TRL's Qwen3 parser, as its trainers attach
     torch.manual_seed(seed)
     template = get_training_chat_template(tokenizer)
-    prompts = [
-        tokenizer.apply_chat_template(r["prompt"], tools=[multiply], add_generation_prompt=True, return_dict=False)
+    inputs = [
+        tokenizer.apply_chat_template(r["prompt"], tools=[tool], add_generation_prompt=True, return_dict=False)
         for r in rows
     ]
-    first = _generate(model, tokenizer, prompts, temperature, max_new_tokens)
-    records, second_inputs, second_rows = [], [], []
-    for i, ids in enumerate(first):
-        message = parse_response(tokenizer, ids, prefix=prompts[i], tools=[multiply])
-        record = {"first": tokenizer.decode(ids), "tool_called": False, "final": message.get("content") or ""}
-        calls = message.get("tool_calls") or []
-        if calls:
-            record["tool_called"] = True
-            try:
-                result = str(multiply(**calls[0]["function"]["arguments"]))
-            except Exception as error:  # a wrong argument name: TRL reports the error to the model
-                result = str({"error": str(error)})
-            suffix = tokenizer(_suffix_text(tokenizer, template, result), add_special_tokens=False)["input_ids"]
-            second_inputs.append(prompts[i] + ids + suffix)
-            second_rows.append(i)
-        records.append(record)
-    if second_inputs:
-        replies = _generate(model, tokenizer, second_inputs, temperature, max_new_tokens)
-        for i, prefix, ids in zip(second_rows, second_inputs, replies, strict=True):
-            records[i]["final"] = parse_response(tokenizer, ids, prefix=prefix, tools=[multiply]).get("content") or ""
+    records = [{"first": None, "tool_called": False, "turns": 0, "final": ""} for _ in rows]
+    active = list(range(len(rows)))
+    for round_index in range(max_tool_calls + 1):
+        replies = _generate(model, tokenizer, [inputs[i] for i in active], temperature, max_new_tokens)
+        still_calling = []
+        for i, ids in zip(active, replies, strict=True):
+            message = parse_response(tokenizer, ids, prefix=inputs[i], tools=[tool])
+            record = records[i]
+            record["turns"] += 1
+            if record["first"] is None:
+                record["first"] = tokenizer.decode(ids)
+            record["final"] = message.get("content") or ""
+            calls = message.get("tool_calls") or []
+            if calls and round_index < max_tool_calls:
+                record["tool_called"] = True
+                try:
+                    result = str(tool(**calls[0]["function"]["arguments"]))
+                except Exception as error:  # wrong argument names, or the tool failed: TRL reports the error
+                    result = str({"error": str(error)})
+                suffix = tokenizer(_suffix_text(tokenizer, template, result), add_special_tokens=False)["input_ids"]
+                inputs[i] = inputs[i] + ids + suffix
+                still_calling.append(i)
+        active = still_calling
+        if not active:
+            break
     rewards = agent_reward([r["final"] for r in records], [r["answer"] for r in rows])
     for record, reward in zip(records, rewards, strict=True):
         record["reward"] = reward
@@ -336,11 +360,13 @@ def sample_episode_text(
 
 
 def rollout_stats(records: Sequence[dict]) -> dict:
-    """Accuracy, tool-call rate and malformed-call rate (a `<tool_call>` tag that did not parse) of episode records."""
+    """Accuracy, tool-call rate, malformed-call rate (a first reply with a `<tool_call>` tag that did not parse) and
+    mean assistant turns of episode records."""
     n = max(1, len(records))
     malformed = sum(1 for r in records if not r["tool_called"] and "<tool_call>" in r["first"])
     return {
         "accuracy": sum(r["reward"] for r in records) / n,
         "tool_call_rate": sum(r["tool_called"] for r in records) / n,
         "malformed_rate": malformed / n,
+        "mean_turns": sum(r.get("turns", 1) for r in records) / n,
     }

@@ -105,6 +105,24 @@ GENERATE_SINGLE_TURN_FRAGMENTS = (
     "_, completion_ids, logprobs, _ = self.vllm_generation.generate(",
     "logprobs = [[lp[0] for lp in seq] for seq in logprobs]",
 )
+# Top-K DPPO with tools (`dppo_trl/trainers/vllm_topk.py`, `place_turns`): every generate call returns one prompt per
+# completion, as the engine saw it (colocate: `n=1` per request; server: unique prompts expanded back), and the tool
+# loop builds a later turn's prompt by concatenation, regenerates the rows that called a tool in increasing row order,
+# cuts the last turn by prefix slicing, and splices the tool-result tokens with `tool_mask` 0. Together these let the
+# capture find where each call's sampled tokens sit in the final completion. Removed by: a per-call engine-extras hook
+# in the tool loop (docs/upstream.md, "Per-turn engine extras in the tool loop").
+VLLM_GENERATE_PROMPT_FRAGMENTS = (
+    "all_prompt_ids = [output.prompt_token_ids for output in all_outputs]",
+    "all_prompt_ids = [ids for ids in all_prompt_ids for _ in range(num_generations)]",
+)
+TOOL_LOOP_FRAGMENTS = (
+    "prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids",
+    "post_tool_ids, post_tool_logprobs = self._generate_single_turn(",
+    "post_tool_ids[idx] = post_tool_ids[idx][:new_len]",
+    "tool_mask[idx_with_tool] += [0] * tool_length + [1] * post_tool_length",
+    "completion_ids[idx_with_tool] = pct[prompt_length:] + post_tool_ids[idx]",
+    "idxs_with_tool = [idx for idx, tool_call in zip(idxs_with_tool, tool_calls, strict=True) if tool_call]",
+)
 
 # Helpers imported from `trl.trainer.utils`.
 UTILS = ("maybe_gather_lm_head_ctx", "add_fused_lm_head", "shuffle_sequence_dict", "split_tensor_dict")

@@ -471,7 +471,8 @@ class DPPOTrainer(GRPOTrainer):
         behavior = output.get("sampling_per_token_logps")
         if behavior is not None:
             if self._vllm_topk is not None:
-                topk = self._vllm_topk.pop(output["completion_ids"], mask)
+                prompts, lengths = _unpadded_prompts_and_lengths(output, self._tokenizer.pad_token_id)
+                topk = self._vllm_topk.pop(output["completion_ids"], mask, prompts, lengths)
             elif want_topk:
                 raise ValueError(
                     "Top-K DPPO needs μ's top-K log-probs from the engine; a `rollout_func` supplies only sampled-token "
@@ -716,13 +717,6 @@ def dppo_card_section(args: DPPOConfig) -> str:
 
 def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
     """Checks that need the trainer's arguments, not only the config (run before anything is built)."""
-    has_tools = bool(params.get("tools")) or params.get("environment_factory") is not None
-    if config.uses_top_k and has_tools:
-        raise ValueError(
-            f"divergence={config.divergence!r} does not support tool calling (`tools` / `environment_factory`): "
-            "tool results are spliced between generate calls, so μ's top-K is not defined for every token. Use "
-            "divergence='binary_tv' or 'binary_kl' with tools."
-        )
     if config.uses_top_k and params.get("rollout_func") is not None:
         raise ValueError(
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
@@ -741,6 +735,23 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             "untruncated in the rollout and set top_k=0, top_p=1.0, min_p=0.0."
         )
     check_trainer_inputs(config, params)  # datasets, chat template, lengths (dppo_trl/hardening/inputs.py)
+
+
+def _unpadded_prompts_and_lengths(output: dict, pad_token_id: int) -> tuple[list[list[int]], list[int]]:
+    """Each row's prompt ids without left padding, and its completion length, from a generation batch.
+
+    The length is the row's `completion_mask` count; a row that `mask_truncated_completions` zeroed has none, and
+    ends (being truncated) on a token that is not padding, so its length is up to its last non-pad token.
+    """
+    prompts = [
+        ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+    ]
+    lengths = output["completion_mask"].sum(dim=1).tolist()
+    for b, n in enumerate(lengths):
+        if n == 0:
+            real = (output["completion_ids"][b] != pad_token_id).nonzero()
+            lengths[b] = int(real[-1]) + 1 if len(real) else 0
+    return prompts, [int(n) for n in lengths]
 
 
 def _with_behavior_invariants(inputs: dict) -> dict:

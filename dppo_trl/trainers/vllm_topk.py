@@ -8,6 +8,12 @@ loss, and hands the trainer back the `logprobs=0` contract: one entry per token,
 Slot layout of the `(B, T, K + 1)` tensors built here: slot 0 is the sampled token y_t; slots 1..K are TopK(μ) without
 y_t, in rank order; unused slots hold id `-1` and log-prob `-inf`. So the slots list the distinct tokens of
 TopK(μ) ∪ {y_t}, as `dppo_trl.core.functional.topk_tv/topk_kl` expect.
+
+Multi-turn tool calling (`tools=` / `environment_factory=`): GRPOTrainer's tool loop samples the first turn with one
+`generate` call, then regenerates the rows that called a tool with one more call per turn, on prompts built by
+concatenation (`prompt + completion so far + tool-result tokens`), and splices the tool-result tokens into the
+completion. [`place_turns`] puts each call's lists at the positions its tokens occupy in the final completion, found
+from the call's prompts; tool-result positions get no list (id `-1`, log-prob `-inf`: outside the loss anyway).
 """
 
 from __future__ import annotations
@@ -125,6 +131,10 @@ class VLLMTopKCapture:
         self._generation = vllm_generation
         self._generate = vllm_generation.generate
         self._records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per record: the prompt ids of each row as the engine saw them (a later turn's prompt carries the turns
+        # before it), and each row's number of sampled tokens. `place_turns` locates the turns with them.
+        self._prompts: list[list[list[int]]] = []
+        self._lengths: list[list[int]] = []
         vllm_generation.logprobs = k
         vllm_generation.generate = self._generate_and_record
 
@@ -137,6 +147,8 @@ class VLLMTopKCapture:
             )
         ids, logps = topk_entries_to_tensors(completion_ids, logprobs, token_ids, self.k)
         self._records.append((ids, logps))
+        self._prompts.append([list(p) for p in prompt_ids])
+        self._lengths.append([len(c) for c in completion_ids])
         # `v != v` only for NaN, i.e. a sampled log-prob the engine did not report: GRPOTrainer expects `None` there.
         sampled_logprobs = [
             [[v] if v == v else [None] for v in row[: len(c)]]
@@ -147,32 +159,98 @@ class VLLMTopKCapture:
 
     def reset(self) -> None:
         self._records.clear()
+        self._prompts.clear()
+        self._lengths.clear()
 
-    def pop(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pop(
+        self,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        prompts: Sequence[Sequence[int]] | None = None,
+        completion_lengths: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the recorded `(ids, logps)` of the last generation batch, aligned with `completion_ids`.
 
-        Raises if the batch was produced by several `generate` calls or does not match the completions the trainer
-        scores: a silent misalignment would anchor the trust region on another token's μ.
+        `completion_mask` marks the sampled tokens the loss counts (with tools: `completion_mask * tool_mask`). One
+        `generate` call (single turn) maps row for row. Several calls (a tool loop) are placed by [`place_turns`],
+        which needs each row's unpadded `prompts` and `completion_lengths`. Raises if any counted token has no list
+        or a list for another token: a silent misalignment would anchor the trust region on another token's μ.
         """
-        if len(self._records) != 1:
-            count = len(self._records)
-            self._records.clear()
-            raise RuntimeError(
-                f"Expected one vLLM generate call per generation batch, saw {count}. Top-K DPPO does not support "
-                "multi-turn tool calling; use a binary divergence with tools."
-            )
-        ids, logps = self._records.pop()
+        records, call_prompts, call_lengths = list(self._records), list(self._prompts), list(self._lengths)
+        self.reset()
+        if not records:
+            raise RuntimeError("No vLLM generate call was recorded for this generation batch.")
         batch, length = completion_ids.shape
-        if ids.size(0) != batch or ids.size(1) > length:
-            raise RuntimeError(
-                f"vLLM top-K batch {tuple(ids.shape[:2])} does not match completions {(batch, length)}."
+        if len(records) == 1:
+            ids, logps = records[0]
+            if ids.size(0) != batch or ids.size(1) > length:
+                raise RuntimeError(
+                    f"vLLM top-K batch {tuple(ids.shape[:2])} does not match completions {(batch, length)}."
+                )
+            pad = length - ids.size(1)
+            if pad:
+                ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=PAD_ID)
+                logps = torch.nn.functional.pad(logps, (0, 0, 0, pad), value=-math.inf)
+        else:
+            if prompts is None or completion_lengths is None:
+                raise RuntimeError(
+                    f"Saw {len(records)} vLLM generate calls for one generation batch (a tool loop); placing μ's "
+                    "top-K lists needs the batch's prompts and completion lengths."
+                )
+            ids, logps = place_turns(
+                [(p, n, i, lp) for p, n, (i, lp) in zip(call_prompts, call_lengths, records, strict=True)],
+                prompts,
+                completion_ids.tolist(),
+                completion_lengths,
+                self.k,
             )
-        pad = length - ids.size(1)
-        if pad:
-            ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=PAD_ID)
-            logps = torch.nn.functional.pad(logps, (0, 0, 0, pad), value=-math.inf)
         ids, logps = ids.to(completion_ids.device), logps.to(completion_ids.device)
         valid = completion_mask.bool()
         if not torch.equal(ids[..., 0][valid], completion_ids[valid]):
             raise RuntimeError("vLLM top-K log-probs are misaligned with the completion tokens the trainer scores.")
         return ids, logps
+
+
+def place_turns(
+    calls: Sequence[tuple[Sequence[Sequence[int]], Sequence[int], torch.Tensor, torch.Tensor]],
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    completion_lengths: Sequence[int],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assemble per-call top-K lists into `(B, T, k + 1)` tensors aligned with the final (multi-turn) completions.
+
+    `calls[c] = (call_prompts, call_lengths, ids, logps)`: the engine's prompt and number of sampled tokens for each
+    row of generate call `c`, and that call's lists from `topk_entries_to_tensors`. A call row whose prompt is
+    `prompts[b] + completions[b][:o]` sampled the tokens at completion positions `o, o + 1, ...` of row `b` (GRPOTrainer
+    builds later-turn prompts by concatenation and may cut the last turn to `max_completion_length`, so fewer tokens
+    can remain). Rows of one call are matched in increasing batch order (the tool loop's order), each to the first
+    row whose prefix and sampled continuation both agree; rows that agree on both are interchangeable. Positions no
+    call sampled (tool results, padding) keep id `-1` and log-prob `-inf`. Raises if a call row matches no row.
+    """
+    batch = len(completions)
+    width = max((len(row) for row in completions), default=0)
+    ids = torch.full((batch, width, k + 1), PAD_ID, dtype=torch.long)
+    logps = torch.full((batch, width, k + 1), -math.inf, dtype=torch.float32)
+    full = [list(p) + list(c[:n]) for p, c, n in zip(prompts, completions, completion_lengths, strict=True)]
+    for call_index, (call_prompts, call_lengths, call_ids, call_logps) in enumerate(calls):
+        next_row = 0
+        for r, (prompt, n_sampled) in enumerate(zip(call_prompts, call_lengths, strict=True)):
+            sampled = call_ids[r, :n_sampled, 0].tolist()
+            for b in range(next_row, batch):
+                offset = len(prompt) - len(prompts[b])
+                if offset < 0 or full[b][: len(prompt)] != list(prompt):
+                    continue
+                kept = max(0, min(n_sampled, completion_lengths[b] - offset))
+                if full[b][len(prompt) : len(prompt) + kept] != sampled[:kept]:
+                    continue
+                ids[b, offset : offset + kept] = call_ids[r, :kept]
+                logps[b, offset : offset + kept] = call_logps[r, :kept]
+                next_row = b + 1
+                break
+            else:
+                raise RuntimeError(
+                    f"vLLM generate call {call_index}, row {r}: its prompt and sampled tokens match no completion of "
+                    "the batch, so μ's top-K lists cannot be placed. Was the tool loop's prompt re-tokenized?"
+                )
+    return ids, logps

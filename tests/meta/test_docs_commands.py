@@ -154,6 +154,27 @@ DECISIONS = {
     ".venv/bin/python examples/train_dapo_math_async.py": Run(
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
     ),
+    # docs/agents.md
+    ".venv/bin/python scripts/make_tiny_agent_model.py": Covered("tests/unit/test_tiny_agent.py"),
+    ".venv/bin/python examples/train_tool_agent.py": Covered("tests/system/test_tool_agent_example.py"),
+    ".venv/bin/python examples/train_tool_agent.py --divergence binary_tv": Run(
+        (
+            "--max_steps",
+            "2",
+            "--steps_per_generation",
+            "1",
+            "--eval_problems",
+            "4",
+            "--output_dir",
+            "outputs/agent-bin",
+        )
+    ),
+    ".venv/bin/python examples/train_tool_agent.py --async": Run(
+        ("--max_steps", "2", "--eval_problems", "4", "--output_dir", "outputs/tool-agent-async-dppo")
+    ),
+    "python examples/train_tool_agent.py --config examples/recipes/agents/qwen3_1.7b_calculator_agent.yaml": CannotRun(
+        "GPU-only and unverified: Qwen3-1.7B from the Hub; tests/system/test_tool_agent_example.py parses the recipe"
+    ),
     # docs/topk_memory.md
     ".venv/bin/python -m pytest tests/unit/test_topk_logps.py -q": Run(("--collect-only",)),
     ".venv/bin/python benchmarks/topk_memory.py": Run(TOPK_SHRINK),

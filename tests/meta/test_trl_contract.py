@@ -95,6 +95,15 @@ def test_vllm_generation_contract():
         assert fragment in single_turn, f"GRPOTrainer._generate_single_turn changed: missing {fragment!r}"
 
 
+def test_tool_loop_contract_for_topk_placement():
+    source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
+    for fragment in trl_contract.VLLM_GENERATE_PROMPT_FRAGMENTS:
+        assert fragment in source, f"VLLMGeneration.generate changed: missing {fragment!r}"
+    loop = inspect.getsource(GRPOTrainer._tool_call_loop)
+    for fragment in trl_contract.TOOL_LOOP_FRAGMENTS:
+        assert fragment in loop, f"GRPOTrainer._tool_call_loop changed: missing {fragment!r}"
+
+
 def test_generation_batch_keys_are_produced():
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     for key in trl_contract.GENERATION_OUTPUT_KEYS + trl_contract.GENERATION_OPTIONAL_KEYS:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from dppo_trl.trainers.vllm_topk import PAD_ID, VLLMTopKCapture, topk_entries_to_tensors
+from dppo_trl.trainers.vllm_topk import PAD_ID, VLLMTopKCapture, place_turns, topk_entries_to_tensors
 
 INF = math.inf
 NAN = math.nan
@@ -187,8 +187,56 @@ def test_capture_rejects_misaligned_or_repeated_batches():
     capture.reset()
     generation.generate()
     generation.generate()
-    with pytest.raises(RuntimeError, match="one vLLM generate call"):
+    with pytest.raises(RuntimeError, match="a tool loop"):  # several calls need the prompts to be placed
         capture.pop(torch.tensor([[7]]), torch.tensor([[1]]))
+
+
+def _call(prompts, completions, k=2):
+    """One generate call's record as `place_turns` takes it; each token's list is (token, token + 100)."""
+    lps = [[[-0.5, -2.0] for _ in row] for row in completions]
+    tids = [[[t, t + 100] for t in row] for row in completions]
+    ids, logps = topk_entries_to_tensors(completions, lps, tids, k)
+    return prompts, [len(c) for c in completions], ids, logps
+
+
+def test_place_turns_follows_the_tool_loop():
+    """Row 0 calls a tool: its second turn comes from a second generate call whose prompt is prompt + turn 1 + tool
+    tokens (9, 9), and `max_completion_length` cut that turn to one token. Rows 1 and 2 are duplicates of one prompt
+    whose first turns are identical too, and only row 2 (the loop's row order) called the tool."""
+    prompts = [[1, 2], [3], [3]]
+    completions = [[10, 11, 9, 9, 12], [20], [20, 9, 21, 22]]
+    lengths = [5, 1, 4]
+    calls = [
+        _call(prompts, [[10, 11], [20], [20]]),
+        _call([[1, 2, 10, 11, 9, 9], [3, 20, 9]], [[12, 13], [21, 22]]),
+    ]
+    ids, logps = place_turns(calls, prompts, completions, lengths, k=2)
+    assert ids.shape == (3, 5, 3)
+    assert ids[0, :, 0].tolist() == [10, 11, PAD_ID, PAD_ID, 12]  # tool positions 2, 3: no list; 13 was cut
+    assert ids[0, 4].tolist() == [12, 112, PAD_ID] and logps[0, 4, 0] == -0.5
+    assert ids[1, :, 0].tolist() == [20, PAD_ID, PAD_ID, PAD_ID, PAD_ID]
+    assert ids[2, :, 0].tolist() == [20, PAD_ID, 21, 22, PAD_ID]
+    assert torch.isneginf(logps[0, 2:4]).all()
+
+
+def test_place_turns_refuses_an_unplaceable_call():
+    prompts, completions = [[1]], [[10, 9, 12]]
+    calls = [_call(prompts, [[10]]), _call([[1, 10, 8]], [[12]])]  # the engine saw tool token 8, the batch holds 9
+    with pytest.raises(RuntimeError, match="match no completion"):
+        place_turns(calls, prompts, completions, [3], k=2)
+
+
+def test_capture_pop_places_turns_and_checks_alignment():
+    first = ([[1]], [[10]], [[[-0.5, -2.0]]], [[[10, 110]]])
+    second = ([[1, 10, 9]], [[12]], [[[-0.7, -2.0]]], [[[12, 112]]])
+    generation = _FakeGeneration(first)
+    capture = VLLMTopKCapture(generation, k=2)
+    generation.generate()
+    generation.result = second
+    generation.generate()
+    completion, mask = torch.tensor([[10, 9, 12]]), torch.tensor([[1, 0, 1]])
+    ids, logps = capture.pop(completion, mask, prompts=[[1]], completion_lengths=[3])
+    assert ids[0, :, 0].tolist() == [10, PAD_ID, 12] and logps[0, 2, 0].item() == pytest.approx(-0.7)
 
 
 def test_capture_requires_engine_logprobs():

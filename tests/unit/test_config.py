@@ -98,25 +98,16 @@ def test_trainer_requires_a_dppo_config(tiny_model_dir, tmp_path):
         )
 
 
-def _tool(x: int) -> int:
-    """Doubles a number.
-
-    Args:
-        x: the number.
-    """
-    return 2 * x
-
-
-@pytest.mark.parametrize("extra", ["tools", "rollout_func"])
-def test_topk_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra):
-    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match=f"divergence='topk_tv' .*{extra if extra == 'rollout_func' else 'tool'}"):
+def test_topk_rejects_rollout_func(tiny_model_dir, tmp_path):
+    """A `rollout_func` returns sampled-token log-probs only: μ's top-K does not exist. (Top-K with tools is supported:
+    tests/integration/test_agents_vllm.py.)"""
+    with pytest.raises(ValueError, match="divergence='topk_tv' .*rollout_func"):
         DPPOTrainer(
             model=tiny_model_dir,
             reward_funcs=ascii_reward,
             args=small_config(tmp_path, divergence="topk_tv"),
             train_dataset=prompt_dataset(),
-            **{extra: value},
+            rollout_func=lambda prompts, trainer: {},
         )
 
 

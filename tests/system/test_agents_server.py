@@ -1,0 +1,177 @@
+"""DPPOTrainer with `environment_factory=` against a real vLLM server (`python -m dppo_trl.backends.cpu.vllm_server`),
+binary and top-K.
+
+The environment's tool raises for some arguments (an environment that fails, which TRL reports to the model as an
+error). Before any weight update, μ — and μ's top-K lists — at every model token must be the log-probs of the weights
+that sampled; the server and the trainer hold the same weights then, so the trainer's own fp32 forward re-scores them.
+Tool-result tokens carry no list and are out of the loss mask.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from conftest import get_free_port
+from datasets import Dataset
+from trainer_setup import logged
+from transformers import AutoTokenizer
+
+from dppo_dev.tiny_agent import agent_reward
+from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AGENT = os.path.join(ROOT, "examples", "tiny_agent_model")
+K = 4
+ATOL = 2e-3  # vLLM CPU kernels vs the trainer's fp32 forward, same weights
+START_TIMEOUT = 900  # seconds; ~1 min alone, several on a loaded shared machine
+
+
+class CalculatorEnv:
+    """A TRL environment: `reset` per row, one tool (same schema as the agent's), which fails for some inputs."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiply a by b.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.calls += 1
+        if (a + b) % 2 == 0:
+            raise RuntimeError("environment failure")
+        return a * b
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+@pytest.fixture(scope="module")
+def server_port(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("agent_server") / "server.log"
+    for _ in range(3):  # a checked-free port can still be taken before vLLM binds it on a shared machine
+        port = get_free_port()
+        command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", AGENT, "--port", str(port)]
+        command += ["--max-logprobs", str(K), "--max-model-len", "256"]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        deadline = time.monotonic() + START_TIMEOUT
+        healthy = False
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                healthy = requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                pass
+            if healthy:
+                break
+            time.sleep(2)
+        if healthy:
+            break
+        _stop(proc)
+        if "Address already in use" not in log_path.read_text(errors="replace"):
+            pytest.fail(f"vLLM server did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
+    else:
+        pytest.fail("vLLM server could not bind a free port in 3 attempts")
+    try:
+        yield port
+    finally:
+        _stop(proc)
+
+
+def _dataset() -> Dataset:
+    with open(os.path.join(ROOT, "examples", "data", "tiny_agent", "test.jsonl")) as f:
+        return Dataset.from_list([json.loads(line) for line in f][:16])
+
+
+@pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
+def test_environment_on_server_mu_is_the_samplers(tmp_path, server_port, divergence):
+    args = DPPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=120,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=server_port,
+        vllm_server_timeout=60,
+        divergence=divergence,
+        divergence_top_k=K,
+    )
+    trainer = DPPOTrainer(
+        model=AGENT,
+        reward_funcs=agent_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(AGENT),
+        environment_factory=CalculatorEnv,
+    )
+    original = trainer._generate_and_score_completions
+    first = []
+
+    def generate_and_score(inputs):
+        output = original(inputs)
+        if not first:  # before the first update: the server's weights are the trainer's
+            with torch.no_grad():
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+                width = output["completion_ids"].size(1)
+                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
+            first.append((output, torch.log_softmax(logits, -1)))
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+    trainer.train()
+
+    output, logp = first[0]
+    model_tokens = (output["completion_mask"] * output["tool_mask"]).bool()
+    tool_tokens = output["completion_mask"].bool() & (output["tool_mask"] == 0)
+    assert tool_tokens.any(), "no tool result was spliced"
+    pi = logp.gather(-1, output["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(output[BEHAVIOR_LOGPS][model_tokens], pi[model_tokens], atol=ATOL, rtol=0)
+    if divergence == "topk_tv":
+        ids, lps = output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS]
+        assert (ids[tool_tokens] == -1).all() and torch.isinf(lps[tool_tokens]).all()
+        listed = ids[model_tokens]
+        present = listed >= 0
+        assert present.sum(-1).min() >= K  # the sampled token plus at least K others (K when it is in the top-K)
+        want = logp[model_tokens].gather(-1, listed.clamp(min=0))
+        torch.testing.assert_close(lps[model_tokens][present], want[present], atol=ATOL, rtol=0)
+    assert sum(logged(trainer, "tools/failure_frequency")) > 0, "the failing environment tool never ran"
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if key.startswith("dppo/"):
+                assert math.isfinite(value), key
+    assert len(logged(trainer, "loss")) == 2
