@@ -722,12 +722,6 @@ def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
         )
-    if config.kept_set_size is not None and has_tools:
-        raise ValueError(
-            f"Truncated sampling (top_k, top_p, min_p: {sampling_truncation(config)}) with tool calling is not "
-            "supported yet: the engine's kept set is captured per generate call, and tool results split a completion "
-            "across several. Set top_k=0, top_p=1.0, min_p=0.0 with `tools` / `environment_factory`."
-        )
     if truncates_sampling(config) and params.get("rollout_func") is not None:
         raise ValueError(
             "Truncated sampling (top_k > 0, top_p < 1 or min_p > 0) with a `rollout_func`: the rollout returns "

@@ -111,19 +111,16 @@ def test_topk_rejects_rollout_func(tiny_model_dir, tmp_path):
         )
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"), [("tools", "with tool calling"), ("rollout_func", "with a `rollout_func`")]
-)
-def test_truncated_sampling_rejects_tools_and_rollout_func(tiny_model_dir, tmp_path, extra, message):
-    # Refused before the model or the engine is built, naming the fix.
-    value = [_tool] if extra == "tools" else (lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match=f"{message}.*top_k=0, top_p=1.0, min_p=0.0"):
+def test_truncated_sampling_rejects_rollout_func(tiny_model_dir, tmp_path):
+    """Refused before the model or the engine is built, naming the fix. (Truncated sampling with tools is supported:
+    tests/integration/test_agents_vllm.py.)"""
+    with pytest.raises(ValueError, match="with a `rollout_func`.*top_k=0, top_p=1.0, min_p=0.0"):
         DPPOTrainer(
             model=tiny_model_dir,
             reward_funcs=ascii_reward,
             args=small_config(tmp_path, top_p=0.9, use_vllm=True, vllm_mode="colocate"),
             train_dataset=prompt_dataset(),
-            **{extra: value},
+            rollout_func=lambda prompts, trainer: {},
         )
 
 
