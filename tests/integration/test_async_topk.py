@@ -20,6 +20,7 @@ from test_async_dppo import TINY_MODEL, _config, _dataset, _tokenizer, server_ur
 from trainer_setup import byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
+from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_LOGPS
 
 K = 3
 FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides
@@ -258,7 +259,7 @@ def test_topk_batch_without_lists_is_refused(tmp_path):
     for i in range(8):  # two micro-batches of 4: accelerate fetches one ahead
         worker.rollout_buffer.put(_rollout_sample(0, i, advantage=1.0))
     batch = next(iter(trainer.get_train_dataloader()))
-    with pytest.raises(RuntimeError, match="carry none"), cpu_tree_attention():
+    with pytest.raises(RuntimeError, match="carry no engine lists"), cpu_tree_attention():
         trainer.compute_loss(trainer.model, batch)
 
 
@@ -428,3 +429,62 @@ def test_topk_gradient_is_literal_eq11_over_model_tokens(tmp_path):
     (total / n_terms).backward()
     for name, param in plain.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
+    """Truncated sampling (top_p = 0.8) asynchronously: TRL's worker with the list loop asks the server for N = 64
+    processed log-probs per token; the loss compares π_kept over the finite ones with μ. On up-to-date samples
+    |π_kept − μ| is fp32 rounding while the full softmax's |π − μ| is the bias; nothing up to date is masked at
+    δ = 0.01; the overflow metric is logged and equals the share of terms whose list is full."""
+    from trainer_setup import math_prompt_dataset
+
+    from dppo_trl.core.loss import policy_loss
+
+    recorder = _Recorder()
+    trainer = _recording_trainer(recorder)(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(
+            tmp_path,
+            vllm_server_base_url=server_url,
+            max_steps=3,
+            max_staleness=2,
+            max_completion_length=24,
+            top_p=0.8,
+            delta_low=0.01,
+            delta_high=0.01,
+        ),
+        train_dataset=math_prompt_dataset(),
+        processing_class=_tokenizer(),
+    )
+    n = trainer.args.kept_set_size
+    assert n == 64 and trainer.rollout_worker._loop_kwargs["logprobs_top_k"] == n
+    trainer.train()
+    kept_gap, full_gap, overflow, terms = [], [], 0, 0
+    for loss_inputs, inputs in recorder.calls:
+        assert loss_inputs.kept_log_mass is not None and loss_inputs.kept_overflow is not None
+        assert inputs[BEHAVIOR_TOPK_LOGPS].shape[-1] == n + 1
+        overflow += int(loss_inputs.kept_overflow.sum())
+        terms += loss_inputs.kept_overflow.numel()
+        fresh = loss_inputs.counted & (loss_inputs.staleness == 0)
+        mu = loss_inputs.mu_logps[fresh].exp()
+        kept_gap.append((loss_inputs.compared_logps.detach()[fresh].exp() - mu).abs())
+        full_gap.append((loss_inputs.pi_logps.detach()[fresh].exp() - mu).abs())
+        outputs = policy_loss(trainer.trust_region_spec, loss_inputs)
+        assert (outputs.coef[fresh] > 0).all(), "an up-to-date token was masked"
+    kept, full = torch.cat(kept_gap), torch.cat(full_gap)
+    ratios = [
+        entry["dppo/kept_set_overflow_ratio"]
+        for entry in trainer.state.log_history
+        if "dppo/kept_set_overflow_ratio" in entry
+    ]
+    print(
+        f"async top_p=0.8, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = {full.mean().item():.3g} "
+        f"over {len(kept)} up-to-date tokens; overflow {overflow}/{terms}, logged ratios {ratios}"
+    )
+    assert len(kept) > 0, "no up-to-date sample was trained on"
+    assert kept.mean().item() < FRESH_MISMATCH
+    assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
+    assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
