@@ -488,3 +488,111 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F81
     assert kept.mean().item() < FRESH_MISMATCH
     assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
     assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
+
+
+N_KEPT = 4  # the server's list length in the kept-set gradient test: ≥ 4 finite entries is an overflow
+
+
+def test_kept_set_gradient_is_literal_eq11_with_pi_kept(tmp_path):
+    """Truncated sampling asynchronously: the gradient of `AsyncDPPOTrainer.compute_loss` (TRL's real loss with A = 0
+    plus DPPO's term, through TRL's queue dataset, planner and collator) equals eq. 11 with π_kept = π / π(kept) written
+    out on unpacked sequences — −A·min(π_kept/μ, C)·M·∇log π_kept over the trained tokens, M from D(π_kept, μ) —
+    divided by the loss terms; positions whose list is full (overflow) carry no gradient and are counted."""
+    from references import dppo_per_token_loss
+
+    from dppo_trl.core.functional import binary_tv
+    from dppo_trl.trainers.async_topk import TopKRolloutSample
+
+    recorder = _Recorder()
+    trainer = _recording_trainer(recorder)(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(
+            tmp_path,
+            vllm_server_base_url="http://127.0.0.1:1",
+            top_p=0.9,
+            kept_set_logprobs=N_KEPT,
+            delta_low=0.05,
+            delta_high=0.05,
+        ),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        rollout_worker=_QueueWorker(),
+    )
+    assert trainer.args.kept_set_size == N_KEPT
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [
+        ([5, 6, 7, 40, 41, 90, 91, 92, 42, 43], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1], 1.0),
+        ([5, 6, 8, 44, 93, 94, 45, 46, 47], [0, 0, 0, 1, 0, 0, 1, 1, 1], -1.0),
+        ([9, 8, 48, 49, 95, 50], [0, 0, 1, 1, 0, 1], 0.5),
+        ([9, 8, 51, 96, 97, 52, 53], [0, 0, 1, 0, 0, 1, 1], -0.7),
+    ]
+    plain = _plain_copy(trainer.model)
+    rng = np.random.default_rng(7)
+    samples, references = [], []
+    for index, (ids, mask, advantage) in enumerate(rows):
+        trained = [p for p, m in enumerate(mask) if m]
+        with torch.no_grad():
+            full = torch.log_softmax(plain(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        list_ids = np.full((len(trained), N_KEPT + 1), -1, dtype=np.int64)
+        kept = np.zeros((len(trained), N_KEPT + 1), dtype=bool)
+        for row, p in enumerate(trained):
+            others = [v for v in rng.choice(250, size=N_KEPT + 1, replace=False).tolist() if v != ids[p]][:N_KEPT]
+            list_ids[row] = [ids[p], *others]
+            kept[row, : 1 + int(rng.integers(0, N_KEPT + 1))] = True  # 1..N+1 kept; N or more is an overflow
+        at_ids = full[[p - 1 for p in trained]].gather(-1, torch.tensor(list_ids))
+        log_mass = torch.logsumexp(at_ids.masked_fill(~torch.tensor(kept), -math.inf), -1)
+        mu_lists = torch.where(torch.tensor(kept), at_ids - log_mass[:, None], -math.inf).numpy().astype(np.float32)
+        # μ of the sampled token: π_kept moved by a random log-ratio, so the trust region masks some tokens.
+        mu_lists[:, 0] = np.minimum(mu_lists[:, 0] + rng.normal(0.0, 0.4, size=len(trained)), 0.0)
+        old = np.zeros(len(ids), dtype=np.float32)
+        old[trained] = mu_lists[:, 0]
+        samples.append(
+            TopKRolloutSample(
+                prompt=[],
+                completion=[],
+                input_ids=np.array(ids),
+                completion_mask=np.array(mask),
+                old_log_probs=old,
+                advantage=advantage,
+                model_version=0,
+                group_id=index,
+                metrics={},
+                topk_ids=list_ids,
+                topk_logps=mu_lists,
+            )
+        )
+        references.append((trained, torch.tensor(list_ids), torch.tensor(kept), torch.tensor(mu_lists[:, 0])))
+    for sample in samples * 2:  # two micro-batches of 4: accelerate fetches one ahead
+        trainer.rollout_worker.rollout_buffer.put(sample)
+    batch = next(iter(trainer.get_train_dataloader()))
+    n_terms = int((batch["token_index"] >= 0).sum())
+
+    trainer.model.zero_grad()
+    with cpu_tree_attention():
+        trainer.compute_loss(trainer.model, batch).backward()
+    ours = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    ((loss_inputs, _),) = recorder.calls
+    n_overflow = sum(int((kept.sum(-1) >= N_KEPT).sum()) for _, _, kept, _ in references)
+    assert 0 < int(loss_inputs.kept_overflow.sum()) == n_overflow < n_terms
+    assert trainer._metrics["train"]["dppo/kept_set_overflow_ratio"][-1] == pytest.approx(n_overflow / n_terms)
+    mask_ratio = trainer._metrics["train"]["dppo/mask_ratio"][-1]
+    assert 0.0 < mask_ratio < 1.0, "the test should mask some tokens and keep others"
+
+    spec = trainer.trust_region_spec
+    total = 0.0
+    for sample, (trained, list_ids, kept, mu) in zip(samples, references):
+        ids = torch.tensor(sample.input_ids)
+        full = torch.log_softmax(plain(input_ids=ids[None]).logits[0].float(), dim=-1)[[p - 1 for p in trained]]
+        at_ids = full.gather(-1, list_ids)
+        pi_kept = at_ids[:, 0] - torch.logsumexp(at_ids.masked_fill(~kept, -math.inf), -1)
+        adv = torch.full_like(pi_kept, sample.advantage)
+        divergence = binary_tv(pi_kept.detach(), mu)
+        drop = ((adv > 0) & (pi_kept.detach() > mu) & (divergence > spec.delta_high)) | (
+            (adv < 0) & (pi_kept.detach() < mu) & (divergence > spec.delta_low)
+        )
+        keep = (~drop & (kept.sum(-1) < N_KEPT)).float()
+        total = total + dppo_per_token_loss(pi_kept, mu, adv, keep, spec.ratio_cap).sum()
+    (total / n_terms).backward()
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
