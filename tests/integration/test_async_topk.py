@@ -21,6 +21,7 @@ from trainer_setup import byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_LOGPS
+from dppo_trl.trainers.kept_set import engine_lists
 
 K = 3
 FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides
@@ -431,17 +432,24 @@ def test_topk_gradient_is_literal_eq11_over_model_tokens(tmp_path):
         torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+# (top_p, kept_set_logprobs, N): the default N, and a 3-entry list too short for top_p = 0.95's kept set where the model
+# is unsure, so overflow positions occur, are left out and counted.
+ASYNC_TRUNCATED = {"top_p=0.8": (0.8, None, 64), "top_p=0.95,N=3": (0.95, 3, 3)}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
-    """Truncated sampling (top_p = 0.8) asynchronously: TRL's worker with the list loop asks the server for N = 64
-    processed log-probs per token; the loss compares π_kept over the finite ones with μ. On up-to-date samples
-    |π_kept − μ| is fp32 rounding while the full softmax's |π − μ| is the bias; nothing up to date is masked at
-    δ = 0.01; the overflow metric is logged and equals the share of terms whose list is full."""
+@pytest.mark.parametrize("case", list(ASYNC_TRUNCATED))
+def test_async_truncated_sampling_end_to_end(tmp_path, server_url, case):  # noqa: F811 (fixture)
+    """Truncated sampling asynchronously: TRL's worker with the list loop asks the server for N processed log-probs
+    per token; the loss compares π_kept over the finite ones with μ. On up-to-date samples |π_kept − μ| is fp32
+    rounding while the full softmax's |π − μ| is the bias; nothing up to date is masked at δ = 0.01; overflow
+    positions (a list with N finite entries) are left out and counted in the logged ratio."""
     from trainer_setup import math_prompt_dataset
 
     from dppo_trl.core.loss import policy_loss
 
+    top_p, kept_set_logprobs, expected_n = ASYNC_TRUNCATED[case]
     recorder = _Recorder()
     trainer = _recording_trainer(recorder)(
         model=TINY_MODEL,
@@ -452,7 +460,8 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F81
             max_steps=3,
             max_staleness=2,
             max_completion_length=24,
-            top_p=0.8,
+            top_p=top_p,
+            kept_set_logprobs=kept_set_logprobs,
             delta_low=0.01,
             delta_high=0.01,
         ),
@@ -460,12 +469,15 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F81
         processing_class=_tokenizer(),
     )
     n = trainer.args.kept_set_size
-    assert n == 64 and trainer.rollout_worker._loop_kwargs["logprobs_top_k"] == n
+    assert n == expected_n and trainer.rollout_worker._loop_kwargs["logprobs_top_k"] == n
     trainer.train()
     kept_gap, full_gap, overflow, terms = [], [], 0, 0
     for loss_inputs, inputs in recorder.calls:
         assert loss_inputs.kept_log_mass is not None and loss_inputs.kept_overflow is not None
         assert inputs[BEHAVIOR_TOPK_LOGPS].shape[-1] == n + 1
+        full_lists = torch.isfinite(engine_lists(inputs[BEHAVIOR_TOPK_LOGPS][inputs["token_index"] >= 0])).sum(-1) >= n
+        assert torch.equal(loss_inputs.kept_overflow, full_lists)
+        assert not (loss_inputs.counted & loss_inputs.kept_overflow).any()
         overflow += int(loss_inputs.kept_overflow.sum())
         terms += loss_inputs.kept_overflow.numel()
         fresh = loss_inputs.counted & (loss_inputs.staleness == 0)
@@ -481,13 +493,15 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url):  # noqa: F81
         if "dppo/kept_set_overflow_ratio" in entry
     ]
     print(
-        f"async top_p=0.8, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = {full.mean().item():.3g} "
+        f"async top_p={top_p}, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = {full.mean().item():.3g} "
         f"over {len(kept)} up-to-date tokens; overflow {overflow}/{terms}, logged ratios {ratios}"
     )
     assert len(kept) > 0, "no up-to-date sample was trained on"
     assert kept.mean().item() < FRESH_MISMATCH
     assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
     assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
+    if kept_set_logprobs == 3:
+        assert overflow > 0 and any(r > 0 for r in ratios), "no position overflowed a 3-entry list"
 
 
 N_KEPT = 4  # the server's list length in the kept-set gradient test: ≥ 4 finite entries is an overflow
