@@ -316,6 +316,12 @@ ASYNC_WORKER_FRAGMENTS = (
 )
 TURN_RECORD_FIELDS = ("prompt_ids", "output_ids", "output_log_probs", "output_mask")
 TRAINING_SEQUENCE_FIELDS = ("input_ids", "completion_mask", "old_log_probs", "rollout_id")
+# Truncated sampling in async: `AsyncDPPOConfig.kept_set_size` reads the config's top_k/top_p/min_p as what the server
+# samples with, so the trainer must hand them to the worker and the worker put them in every completions request
+# (its processed log-probs are then renormalised over the kept set the N-entry lists show).
+# → the same `logprobs` option of the worker (docs/upstream.md, "AsyncGRPOTrainer" item 5) removes this pin too.
+ASYNC_WORKER_SAMPLING_FRAGMENTS = ('"top_p": self.top_p,', '"top_k": self.top_k,', 'payload["min_p"] = self.min_p')
+ASYNC_TRAINER_SAMPLING_FRAGMENTS = ("top_p=self.args.top_p,", "top_k=self.args.top_k,", "min_p=self.args.min_p,")
 # The worker's class attribute naming its loop, and its stored constructor arguments.
 ASYNC_WORKER_FRAGMENTS_CONTROLLER = ("_loop_cls:", "self._loop_kwargs = loop_kwargs", "self._loop_cls,")
 # `AsyncGRPOTrainer.__init__` builds the worker and the queue it reads; the worker starts on train begin.

@@ -40,9 +40,9 @@ change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
    real loss. TRL's PPO-clip rates, always 0 with zero advantages, are dropped from the logs.
 4. **The policy version lives on the main process.** Weight syncs bump `model_version` on rank 0 only, between
    optimizer steps; `_policy_version()` reads it once per optimizer step (a broadcast on several processes).
-5. **The worker asks for the sampled token's log-prob only.** For top-K divergences the worker TRL built is replaced
-   (before it starts) by `TopKRolloutWorker`, TRL's worker class running a subclass of its loop; see
-   `dppo_trl.trainers.async_topk`.
+5. **The worker asks for the sampled token's log-prob only.** For top-K divergences and truncated sampling the
+   worker TRL built is replaced (before it starts) by `TopKRolloutWorker`, TRL's worker class running a subclass of
+   its loop; see `dppo_trl.trainers.async_topk`.
 
 On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
 attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
@@ -54,6 +54,13 @@ and hands the lists on with each sample; `SampleVersionQueue` carries them on th
 `SampleVersionCollator` lays them out in the packed loss-term order (see that module). π at those ids comes from the
 final hidden states of TRL's one forward (`KeepForwardOutputs` hooks the backbone) through the chunked gather of
 `dppo_trl.kernels.topk_logps` (no `[N, V]` logits).
+
+Truncated sampling (`top_k`, `top_p`, `min_p`): the same worker asks for N = `kept_set_size` processed log-probs per
+token instead of K; the lists ride the same way (`BEHAVIOR_TOPK_*`, N + 1 slots), their finite entries are the
+sampler's kept set, and `_with_kept_set` hands the core log π(kept) — with its gradient, from the forward's hidden
+states kept with their graph (`logps_at_ids_with_grad`) — and the overflow positions (`kept_set.kept_set_overflow`).
+The core's per-token term then has eq. 11's gradient with π_kept as it stands; it is scaled like the rest of DPPO's
+term.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,12 +88,19 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
-from dppo_trl.core.functional import sanitize_behavior_logps
+from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
-from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled
+from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
-from dppo_trl.trainers.config import TrustRegionFields
+from dppo_trl.trainers.config import (
+    KEPT_SET_SERVER_LOGPROBS,
+    TrustRegionFields,
+    check_kept_set,
+    resolve_kept_set_size,
+    sampling_truncation,
+)
+from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 
 __all__ = [
@@ -126,13 +140,35 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
     - `anchor` must be `behavior`: the policy that sampled a stale sample is gone, so there is no π_old to recompute.
     - `trust_region` must not need π_old (`minirl`, `dppo_decoupled`), for the same reason.
 
+    Truncated sampling (`top_k > 0`, `top_p < 1` or `min_p > 0`) is supported as in [`DPPOTrainer`]: the worker asks
+    the server for N = `kept_set_size` log-probs per token (`kept_set_logprobs`, default `top_k` when ≤ 64, else 64),
+    whose finite entries are the sampler's kept set, and π is compared as π_kept over it; positions whose kept set may
+    exceed N are left out and counted (`dppo/kept_set_overflow_ratio`).
+
     The parent's `epsilon`/`epsilon_high` clip is not DPPO's trust region; only the `grpo_clip`-family ablations read
     `epsilon`.
     """
 
+    kept_set_logprobs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated sampling (top_k > 0, top_p < 1 or min_p > 0): the number N of log-probs the server "
+            f"lists per token, whose finite ones are the sampler's kept set. `None`: `top_k` when ≤ "
+            f"{KEPT_SET_SERVER_LOGPROBS}, else {KEPT_SET_SERVER_LOGPROBS} (the server's `--max-logprobs` must allow "
+            "it). As `DPPOConfig.kept_set_logprobs`."
+        },
+    )
+
+    @property
+    def kept_set_size(self) -> int | None:
+        """N, the log-probs per token the worker asks the server for so the loss can read the kept set; `None` when
+        the server samples untruncated (as `DPPOConfig.kept_set_size` in server mode)."""
+        return resolve_kept_set_size(self, KEPT_SET_SERVER_LOGPROBS)
+
     def __post_init__(self):
         super().__post_init__()
         self._resolve_trust_region()
+        check_kept_set(self, self.kept_set_size, colocate=False)
         if self.anchor != "behavior":
             raise ValueError(
                 f"anchor={self.anchor!r} is not available asynchronously: a sample can be up to `max_staleness` "
@@ -222,19 +258,20 @@ class KeepForwardOutputs:
     """The model as `AsyncGRPOTrainer.compute_loss` calls it, keeping the outputs of that one call (TRL's fused LM head:
     per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss.
 
-    With `backbone` (the decoder the fused head projects), also keeps its final hidden states, detached (`hidden`,
-    `(1, N, H)`), for π at μ's top-K ids.
+    With `backbone` (the decoder the fused head projects), also keeps its final hidden states (`hidden`, `(1, N, H)`),
+    detached for π at μ's top-K ids, with their graph (`hidden_with_graph`) for π's kept-set mass.
     """
 
-    def __init__(self, model: Any, backbone: torch.nn.Module | None = None):
+    def __init__(self, model: Any, backbone: torch.nn.Module | None = None, hidden_with_graph: bool = False):
         self.model = model
         self.backbone = backbone
+        self.hidden_with_graph = hidden_with_graph
         self.outputs: Any = None
         self.hidden: torch.Tensor | None = None
 
     def _keep_hidden(self, _module, _inputs, output) -> None:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        self.hidden = hidden.detach()
+        self.hidden = hidden if self.hidden_with_graph else hidden.detach()
 
     def __call__(self, *args, **kwargs):
         if self.outputs is not None:
@@ -280,10 +317,13 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        if args.uses_top_k and type(self.rollout_worker) is AsyncRolloutWorker:
+        # Entries per token the worker asks the server for: N (truncated sampling, whose first K + 1 slots are also
+        # the top-K lists), else K (top-K divergences), else none.
+        self._engine_list_size = args.kept_set_size or (args.divergence_top_k if args.uses_top_k else None)
+        if self._engine_list_size is not None and type(self.rollout_worker) is AsyncRolloutWorker:
             # TRL built its own worker (none was passed) and starts it on train begin: run the same worker with the
-            # loop that also asks for μ's top-K. A worker passed in must push `TopKRolloutSample`s itself.
-            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, args.divergence_top_k)
+            # loop that also asks for μ's lists. A worker passed in must push `TopKRolloutSample`s itself.
+            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, self._engine_list_size)
             self.rollout_queue = self.rollout_worker.rollout_buffer
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
@@ -335,20 +375,27 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus DPPO's
         term on that forward's log-probs."""
-        wants_topk = self.args.uses_top_k
-        if wants_topk and BEHAVIOR_TOPK_IDS not in inputs:
-            raise RuntimeError(
-                f"divergence={self.args.divergence!r} needs μ's top-K, but the batch's samples carry none: the rollout "
-                "worker must push `dppo_trl.trainers.async_topk.TopKRolloutSample`s (AsyncDPPOTrainer's own worker "
-                "does; a `rollout_worker` passed in must too)."
+        wants_topk, kept = self.args.uses_top_k, self.args.kept_set_size is not None
+        if (wants_topk or kept) and BEHAVIOR_TOPK_IDS not in inputs:
+            needs = (
+                "μ's kept set (truncated sampling)" if kept else f"divergence={self.args.divergence!r} needs μ's top-K"
             )
-        forward = KeepForwardOutputs(model, self._backbone(model) if wants_topk else None)
+            raise RuntimeError(
+                f"{needs}, but the batch's samples carry no engine lists: the rollout worker must push "
+                "`dppo_trl.trainers.async_topk.TopKRolloutSample`s (AsyncDPPOTrainer's own worker does; a "
+                "`rollout_worker` passed in must too)."
+            )
+        forward = KeepForwardOutputs(
+            model, self._backbone(model) if wants_topk or kept else None, hidden_with_graph=kept
+        )
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
         attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
         with attention:
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
         loss_inputs = self._loss_inputs(inputs, forward.outputs, self._policy_version())
-        if wants_topk:
+        if kept:
+            loss_inputs = self._with_kept_set(loss_inputs, inputs, forward.hidden, model)
+        elif wants_topk:
             loss_inputs = self._with_topk(loss_inputs, inputs, forward.hidden, model)
         return trl_loss + self._trust_region_loss(loss_inputs, inputs)
 
@@ -399,6 +446,52 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         # Terms whose μ is invalid must not leak into the divergence: both sides get identical padding.
         mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
         return dataclasses.replace(loss_inputs, pi_topk_logps=pi_topk, mu_topk_logps=mu_topk)
+
+    def _with_kept_set(self, loss_inputs: LossInputs, inputs: dict[str, Any], hidden: torch.Tensor | None, model):
+        """Truncated sampling: `loss_inputs` with log π(kept) and the overflow positions (and, under a top-K divergence,
+        the first K + 1 slots as the top-K lists), as `DPPOTrainer._pi_kept` builds them.
+
+        The batch's engine lists (N + 1 slots, `BEHAVIOR_TOPK_*`) hold the kept set as their finite entries; π at
+        those ids comes from the forward's final hidden states with their graph (`logps_at_ids_with_grad`, no
+        `[N, V]` logits), so log π_kept = log π − log π(kept) carries the gradient of every kept id through the core's
+        `policy_loss` term itself (no separate correction term: this trainer adds that term as written).
+        """
+        if hidden is None:
+            raise RuntimeError("DPPO's kept set needs the policy's final hidden states, but none were captured.")
+        n = self.args.kept_set_size
+        assert n is not None
+        selected = inputs["token_index"] >= 0
+        ids = inputs[BEHAVIOR_TOPK_IDS][selected]
+        mu_lists = engine_lists(inputs[BEHAVIOR_TOPK_LOGPS][selected].float())
+        if mu_lists.shape[-1] != n + 1:
+            raise RuntimeError(f"The batch's engine lists have {mu_lists.shape[-1]} slots, not N + 1 = {n + 1}.")
+        valid = loss_inputs.valid
+        lm = _causal_lm(self.accelerator.unwrap_model(model))
+        head = lm.get_output_embeddings()
+        weight, bias = (_full(p) for p in (head.weight, getattr(head, "bias", None)))
+        rows = hidden.reshape(-1, hidden.shape[-1])[inputs["token_index"][selected]][valid]
+        pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
+        pi_lists[valid] = logps_at_ids_with_grad(
+            rows,
+            weight,
+            ids[valid],
+            ids[valid][:, 0],
+            loss_inputs.pi_logps[valid].float(),
+            bias=bias,
+            transform=LogitTransform.from_model_config(lm.config, temperature=self.temperature),
+        )
+        kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
+        overflow = kept_set_overflow(mu_lists, n, sampling_truncation(self.args)[0])
+        topk: dict[str, torch.Tensor] = {}
+        if self.args.uses_top_k:
+            width = self.args.divergence_top_k + 1
+            mu_topk = torch.where(
+                valid.unsqueeze(-1), mu_lists[..., :width], torch.full_like(mu_lists[..., :width], -math.inf)
+            )
+            topk = {"pi_topk_logps": pi_lists[..., :width].detach(), "mu_topk_logps": mu_topk}
+        return dataclasses.replace(
+            loss_inputs, kept_log_mass=kept_log_mass(pi_lists, kept), kept_overflow=overflow, **topk
+        )
 
     def _backbone(self, model) -> torch.nn.Module:
         """The decoder whose output TRL's fused head projects (`PreTrainedModel.base_model`, under PEFT too)."""

@@ -1,7 +1,9 @@
 """μ's top-K lists in TRL's asynchronous trainer: from the vLLM server, through the rollout worker, into the batch.
 
 TRL 1.16's `AsyncRolloutWorker` asks the server for the sampled token's log-prob only (`"logprobs": 0`). For the
-top-K divergences (eqs. 15-16) every trained token also needs TopK(μ) ∪ {y_t}. The path, each step a subclass:
+top-K divergences (eqs. 15-16) every trained token also needs TopK(μ) ∪ {y_t}; under truncated sampling it needs
+the N-entry processed lists whose finite entries are the sampler's kept set (`AsyncDPPOTrainer` then builds the loop
+with `logprobs_top_k = N`; the lists have the same layout). The path, each step a subclass:
 
     TopKRolloutLoop._post                  the worker's `/v1/completions` request with `"logprobs": K` and ids as
                                            `token_id:N` keys; records each turn (prompt, output ids, top-K) of the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -52,13 +52,43 @@ def truncates_sampling(config: Any) -> bool:
     return top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
-def check_sampling(config: Any, kept_set_supported: bool) -> None:
+def resolve_kept_set_size(config: Any, limit: int) -> int | None:
+    """N for a config whose μ is the engine's (both trainers): `config.kept_set_logprobs`, else `top_k` when it fits
+    the engine's `limit` (the kept set then always fits), else `limit`; at least `divergence_top_k` under a top-K
+    divergence (its lists are the first K + 1 slots). `None` when the engine does not truncate."""
+    if not truncates_sampling(config):
+        return None
+    top_k = sampling_truncation(config)[0]
+    n = config.kept_set_logprobs or (top_k if 0 < top_k <= limit else limit)
+    return max(n, config.divergence_top_k) if config.uses_top_k else n
+
+
+def check_kept_set(config: Any, n: int | None, colocate: bool) -> None:
+    """Refuse a `kept_set_logprobs` below 1, and a `top_k` (alone) larger than N: no kept set would ever be known."""
+    if config.kept_set_logprobs is not None and config.kept_set_logprobs < 1:
+        raise ValueError(f"kept_set_logprobs must be ≥ 1 or None, got {config.kept_set_logprobs}.")
+    top_k, top_p, min_p = sampling_truncation(config)
+    if n is not None and top_k > n and top_p >= 1.0 and min_p <= 0.0:
+        raise ValueError(
+            f"top_k={top_k} keeps {top_k} tokens at every position, more than the {n} log-probs the engine lists "
+            "per token, so no position's kept set would be known and every token would be left out of the loss. "
+            f"Use top_k ≤ {n}"
+            + (
+                f" (TRL's colocate engine lists at most {VLLM_COLOCATE_MAX_LOGPROBS}), or vllm_mode='server' "
+                "with `--max-logprobs` and kept_set_logprobs ≥ top_k."
+                if colocate
+                else ", or kept_set_logprobs ≥ top_k (with the server's `--max-logprobs` ≥ it)."
+            )
+        )
+
+
+def check_sampling(config: Any) -> None:
     """Refuse the sampling options whose μ the trainer cannot compare with π (both configs call it).
 
-    Truncation (top-k / top-p / min-p) is supported where the trainer compares π over the engine's kept set
-    (`kept_set_supported`, DPPOTrainer with a vLLM engine); penalties reshape μ in a way π does not follow, so they
-    are refused wherever μ is the engine's. With transformers generation (`use_vllm=False`) μ is the trainer's own
-    full softmax, so neither biases the comparison.
+    Truncation (top-k / top-p / min-p) is supported by both trainers, which compare π over the engine's kept set
+    (`kept_set_size`); penalties reshape μ in a way π does not follow, so they are refused wherever μ is the
+    engine's. With transformers generation (`use_vllm=False`) μ is the trainer's own full softmax, so neither biases
+    the comparison.
     """
     engine_mu = getattr(config, "use_vllm", True) and getattr(config, "anchor", "behavior") == "behavior"
     if not engine_mu:
@@ -74,15 +104,6 @@ def check_sampling(config: Any, kept_set_supported: bool) -> None:
             "include the penalty, the trainer's π does not, so π/μ and D(π, μ) are biased at every penalised token "
             f"and the trust region masks tokens that never moved. Set {name}={neutral} for DPPO (see docs/theory.md, 'Truncated sampling')."
         )
-    if truncates_sampling(config) and not kept_set_supported:
-        top_k, top_p, min_p = sampling_truncation(config)
-        raise ValueError(
-            f"Sampling with top_k={top_k}, top_p={top_p}, min_p={min_p} renormalises the engine's μ over the tokens "
-            f"its sampler kept, and {type(config).__name__} cannot yet compare π over that kept set (the "
-            "asynchronous rollout worker does not carry μ's log-prob lists to the trainer), so π/μ would be biased. "
-            "Set top_k=0, top_p=1.0, min_p=0.0, or use DPPOTrainer, which supports truncated sampling "
-            "(docs/theory.md, 'Truncated sampling')."
-        )
 
 
 @dataclass
@@ -92,9 +113,6 @@ class TrustRegionFields:
     `trust_region_spec()` validates them into the frozen `TrustRegionSpec` the loss reads; each config calls it in
     `__post_init__` and keeps the resolved δs.
     """
-
-    # Whether the config's trainer compares π over the engine's kept set under truncated sampling.
-    kept_set_supported: ClassVar[bool] = False
 
     divergence: str = field(
         default="binary_tv",
@@ -186,7 +204,7 @@ class TrustRegionFields:
             raise ValueError(f"anchor={self.anchor!r} is not supported; choose one of {list(ANCHORS)}.")
         spec = self.trust_region_spec()
         self.delta_low, self.delta_high = spec.delta_low, spec.delta_high
-        check_sampling(self, self.kept_set_supported)
+        check_sampling(self)
 
 
 @dataclass
@@ -308,8 +326,6 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
         },
     )
 
-    kept_set_supported: ClassVar[bool] = True
-
     def __post_init__(self):
         super().__post_init__()
         self._resolve_trust_region()
@@ -319,37 +335,20 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
     def kept_set_size(self) -> int | None:
         """N, the log-probs per token the vLLM engine lists so the trainer can read its sampler's kept set; `None`
         when π needs no kept set (untruncated sampling, transformers generation, or `anchor='recompute'`)."""
-        if not (self.use_vllm and self.anchor == "behavior" and truncates_sampling(self)):
+        if not (self.use_vllm and self.anchor == "behavior"):
             return None
         limit = VLLM_COLOCATE_MAX_LOGPROBS if self.vllm_mode == "colocate" else KEPT_SET_SERVER_LOGPROBS
-        top_k = sampling_truncation(self)[0]
-        n = self.kept_set_logprobs or (top_k if 0 < top_k <= limit else limit)
-        return max(n, self.divergence_top_k) if self.uses_top_k else n
+        return resolve_kept_set_size(self, limit)
 
     def _validate_dppo(self) -> None:
         if self.kept_set_logprobs is not None:
-            if self.kept_set_logprobs < 1:
-                raise ValueError(f"kept_set_logprobs must be ≥ 1 or None, got {self.kept_set_logprobs}.")
             if self.use_vllm and self.vllm_mode == "colocate" and self.kept_set_logprobs > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(
                     f"kept_set_logprobs={self.kept_set_logprobs} exceeds vLLM's `max_logprobs` "
                     f"({VLLM_COLOCATE_MAX_LOGPROBS}), which TRL's colocate engine does not raise. Use "
                     f"kept_set_logprobs ≤ {VLLM_COLOCATE_MAX_LOGPROBS}, or vllm_mode='server' with `--max-logprobs`."
                 )
-        n = self.kept_set_size
-        top_k, top_p, min_p = sampling_truncation(self)
-        if n is not None and top_k > n and top_p >= 1.0 and min_p <= 0.0:
-            raise ValueError(
-                f"top_k={top_k} keeps {top_k} tokens at every position, more than the {n} log-probs the engine lists "
-                "per token, so no position's kept set would be known and every token would be left out of the loss. "
-                f"Use top_k ≤ {n}"
-                + (
-                    f" (TRL's colocate engine lists at most {VLLM_COLOCATE_MAX_LOGPROBS}), or vllm_mode='server' "
-                    "with `--max-logprobs` and kept_set_logprobs ≥ top_k."
-                    if self.vllm_mode == "colocate"
-                    else ", or kept_set_logprobs ≥ top_k (with the server's `--max-logprobs` ≥ it)."
-                )
-            )
+        check_kept_set(self, self.kept_set_size, colocate=self.use_vllm and self.vllm_mode == "colocate")
         if self.uses_top_k:
             if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(

@@ -21,7 +21,15 @@ from vllm import SamplingParams
 
 from dppo_dev.tiny_agent import agent_reward
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
+from dppo_trl.trainers.dppo_trainer import (
+    BEHAVIOR_KEPT_IDS,
+    BEHAVIOR_KEPT_LOGPS,
+    BEHAVIOR_KEPT_OVERFLOW,
+    BEHAVIOR_LOGPS,
+    BEHAVIOR_TOPK_IDS,
+    BEHAVIOR_TOPK_LOGPS,
+    BEHAVIOR_VALID,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -182,3 +190,69 @@ def test_tool_calls_mu_is_the_engines_at_every_model_token(tmp_path, master_port
         logged(trainer, "dppo/invalid_behavior_ratio")
     )
     assert len(logged(trainer, "loss")) == 2
+
+
+# Truncated sampling across tool turns: each turn's processed lists (N entries) are placed at the tokens that turn
+# sampled, so π_kept at every model token uses the kept set of the call that sampled it. Fresh rollout, tight δ.
+FRESH_MISMATCH = 1e-4  # as in tests/integration/test_truncated_sampling.py: fp32 trainer vs engine rounding
+DELTA = 0.01
+TRUNCATED = {
+    "top_p": dict(divergence="binary_tv", top_p=0.8),
+    # Top-K TV over the kept ids; top_k=5 ≤ N = 5 bounds the kept set, so no position can overflow.
+    "top_k_topk_tv": dict(divergence="topk_tv", top_k=5),
+}
+
+
+@pytest.mark.parametrize("case", list(TRUNCATED))
+def test_truncated_sampling_with_tools_pi_kept_matches_mu(tmp_path, master_port, case):
+    config = dict(TRUNCATED[case])
+    divergence = config.pop("divergence")
+    trainer = _trainer(tmp_path, divergence, max_steps=1, delta_low=DELTA, delta_high=DELTA, **config)
+    assert trainer.args.kept_set_size == (5 if "top_k" in config else 20)
+    batches, records = [], []
+    compute_loss = trainer._compute_loss
+
+    def spy(model, inputs):
+        batches.append(inputs)  # the (shuffled) generation batch as the loss sees it
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.trust_region_observers.append(records.append)
+    trainer.train()
+
+    output, record = batches[0], records[0]
+    assert len(batches) == 1 and torch.equal(record["completion_ids"], output["completion_ids"])
+    model_tokens = (output["completion_mask"] * output["tool_mask"]).bool()
+    tool_tokens = output["completion_mask"].bool() & (output["tool_mask"] == 0)
+    assert tool_tokens.any() and sum(logged(trainer, "tools/call_frequency")) > 0, "no tool call was sampled"
+    counted = record["valid"]
+    # Tool-result tokens are never counted, and carry no engine list (so no kept set and no overflow either).
+    assert not (counted & tool_tokens).any()
+    assert (output[BEHAVIOR_KEPT_IDS][tool_tokens] == -1).all()
+    assert torch.isinf(output[BEHAVIOR_KEPT_LOGPS][tool_tokens]).all()
+    assert not output[BEHAVIOR_KEPT_OVERFLOW][tool_tokens].any()
+    overflow = output[BEHAVIOR_KEPT_OVERFLOW]
+    assert torch.equal(counted, model_tokens & output[BEHAVIOR_VALID].bool() & ~overflow)
+    # Later turns: model tokens after a tool result, sampled by a later generate call, are counted too.
+    after_tool = model_tokens & (tool_tokens.int().cumsum(-1) > 0)
+    assert (counted & after_tool).any(), "no post-tool model token was counted"
+
+    mu = record["mu_logps"].exp()
+    gap_kept = (record["pi_logps"].exp() - mu).abs()
+    gap_full = (record["pi_full_logps"].exp() - mu).abs()
+    kept, full = gap_kept[counted].mean().item(), gap_full[counted].mean().item()
+    kept_after = gap_kept[counted & after_tool].mean().item()
+    ratio = logged(trainer, "dppo/kept_set_overflow_ratio")
+    print(
+        f"{case} with tools: |pi_kept - mu| = {kept:.3g} (post-tool turns {kept_after:.3g}), |pi - mu| = {full:.3g} "
+        f"over {int(counted.sum())} model tokens ({int((counted & after_tool).sum())} post-tool, "
+        f"{int(tool_tokens.sum())} tool tokens); overflow ratio {ratio}"
+    )
+    assert kept < FRESH_MISMATCH and kept_after < FRESH_MISMATCH
+    assert full > 100 * kept and full > 1e-3  # the full softmax's bias, as without the kept set
+    assert logged(trainer, "dppo/mask_ratio") == [0.0]
+    assert ratio == [pytest.approx(overflow.sum().item() / model_tokens.sum().item())]
+    if "top_k" in config:
+        assert ratio == [0.0]
+        assert logged(trainer, "dppo/divergence_max")[0] < 1e-4  # top-K TV over the kept lists: rounding only
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))

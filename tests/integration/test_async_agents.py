@@ -84,7 +84,8 @@ class _TeeQueue:
         return self.queue.qsize()
 
 
-def _train(tmp_path, url, **kwargs):
+def _train(tmp_path, url, loss_calls: list | None = None, **kwargs):
+    """Train with the tiny agent against `url`; `loss_calls` (if given) receives each loss call's `LossInputs`."""
     from transformers import AutoTokenizer
 
     from dppo_trl import AsyncDPPOTrainer
@@ -108,6 +109,14 @@ def _train(tmp_path, url, **kwargs):
         **kwargs,
     )
     tee = trainer.rollout_queue = _TeeQueue(trainer.rollout_queue)
+    if loss_calls is not None:
+        trust_region_loss = trainer._trust_region_loss
+
+        def spy(loss_inputs, inputs):
+            loss_calls.append(loss_inputs)
+            return trust_region_loss(loss_inputs, inputs)
+
+        trainer._trust_region_loss = spy
     trainer.train()
     return trainer, tee.samples
 
@@ -222,3 +231,48 @@ def test_async_environment_factory_trains(tmp_path, agent_server):
     assert any(entry.get("rewards/MultiplyEnv", 0) > 0 for entry in history)
     assert _tool_samples(samples, trainer.processing_class)
     assert torch.tensor([s.completion_mask.sum() for s in samples]).min() > 0
+
+
+def test_async_truncated_sampling_with_tools(tmp_path, agent_server):
+    """Truncated sampling (top_p = 0.8, N = 64) with tool calls through TRL's rollout worker: each turn's N-entry lists
+    land on the trained tokens that turn sampled, after a tool result included. With `learning_rate=0` every sample is
+    scored by the weights that sampled it, so |π_kept − μ| over all loss terms is rounding while the full softmax's
+    |π − μ| is the bias; nothing is masked at δ = 0.01; the lists are N + 1 wide, dropped tokens read as −inf."""
+    calls: list = []
+    trainer, samples = _train(
+        tmp_path,
+        agent_server,
+        loss_calls=calls,
+        reward_funcs=agent_reward,
+        tools=[multiply],
+        config={"top_p": 0.8, "learning_rate": 0.0, "delta_low": 0.01, "delta_high": 0.01},
+    )
+    n = trainer.args.kept_set_size
+    assert n == 64
+    assert any(entry.get("tools/call_frequency", 0) > 0 for entry in trainer.state.log_history)
+    with_tools = _tool_samples(samples, trainer.processing_class)
+    assert with_tools, "no trained row held a sampled tool call and a reply after its result"
+    for sample, _ in with_tools:
+        assert sample.topk_ids.shape == (int(sample.completion_mask.sum()), n + 1)
+        assert (sample.topk_logps[:, 0] == sample.old_log_probs[sample.completion_mask.astype(bool)]).all()
+        assert not (sample.topk_logps == -9999.0).any()  # the server's floor is read back as −inf
+    kept_gap, full_gap, overflow, terms = [], [], 0, 0
+    for loss_inputs in calls:
+        assert loss_inputs.kept_log_mass is not None and loss_inputs.kept_overflow is not None
+        counted = loss_inputs.counted
+        mu = loss_inputs.mu_logps[counted].exp()
+        kept_gap.append((loss_inputs.compared_logps.detach()[counted].exp() - mu).abs())
+        full_gap.append((loss_inputs.pi_logps.detach()[counted].exp() - mu).abs())
+        overflow += int(loss_inputs.kept_overflow.sum())
+        terms += loss_inputs.kept_overflow.numel()
+    kept, full = torch.cat(kept_gap), torch.cat(full_gap)
+    logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
+    print(
+        f"async top_p=0.8 with tools, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = "
+        f"{full.mean().item():.3g} over {len(kept)} loss terms ({len(with_tools)} rows with a tool result); overflow "
+        f"{overflow}/{terms}"
+    )
+    assert len(kept) > 0 and kept.mean().item() < 1e-4
+    assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
+    assert len(logs) == 2 and all(entry["dppo/mask_ratio"] == 0.0 for entry in logs)
+    assert all(0.0 <= entry["dppo/kept_set_overflow_ratio"] <= 1.0 for entry in logs)

@@ -20,6 +20,8 @@ from test_async_dppo import TINY_MODEL, _config, _dataset, _tokenizer, server_ur
 from trainer_setup import byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
+from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_LOGPS
+from dppo_trl.trainers.kept_set import engine_lists
 
 K = 3
 FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides
@@ -258,7 +260,7 @@ def test_topk_batch_without_lists_is_refused(tmp_path):
     for i in range(8):  # two micro-batches of 4: accelerate fetches one ahead
         worker.rollout_buffer.put(_rollout_sample(0, i, advantage=1.0))
     batch = next(iter(trainer.get_train_dataloader()))
-    with pytest.raises(RuntimeError, match="carry none"), cpu_tree_attention():
+    with pytest.raises(RuntimeError, match="carry no engine lists"), cpu_tree_attention():
         trainer.compute_loss(trainer.model, batch)
 
 
@@ -425,6 +427,186 @@ def test_topk_gradient_is_literal_eq11_over_model_tokens(tmp_path):
             (adv < 0) & (pi.detach() < mu) & (divergence > spec.delta_low)
         )
         total = total + dppo_per_token_loss(pi, mu, adv, (~drop).float(), spec.ratio_cap).sum()
+    (total / n_terms).backward()
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+# (top_p, kept_set_logprobs, N): the default N, and a 3-entry list too short for top_p = 0.95's kept set where the model
+# is unsure, so overflow positions occur, are left out and counted.
+ASYNC_TRUNCATED = {"top_p=0.8": (0.8, None, 64), "top_p=0.95,N=3": (0.95, 3, 3)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(ASYNC_TRUNCATED))
+def test_async_truncated_sampling_end_to_end(tmp_path, server_url, case):  # noqa: F811 (fixture)
+    """Truncated sampling asynchronously: TRL's worker with the list loop asks the server for N processed log-probs
+    per token; the loss compares π_kept over the finite ones with μ. On up-to-date samples |π_kept − μ| is fp32
+    rounding while the full softmax's |π − μ| is the bias; nothing up to date is masked at δ = 0.01; overflow
+    positions (a list with N finite entries) are left out and counted in the logged ratio."""
+    from trainer_setup import math_prompt_dataset
+
+    from dppo_trl.core.loss import policy_loss
+
+    top_p, kept_set_logprobs, expected_n = ASYNC_TRUNCATED[case]
+    recorder = _Recorder()
+    trainer = _recording_trainer(recorder)(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(
+            tmp_path,
+            vllm_server_base_url=server_url,
+            max_steps=3,
+            max_staleness=2,
+            max_completion_length=24,
+            top_p=top_p,
+            kept_set_logprobs=kept_set_logprobs,
+            delta_low=0.01,
+            delta_high=0.01,
+        ),
+        train_dataset=math_prompt_dataset(),
+        processing_class=_tokenizer(),
+    )
+    n = trainer.args.kept_set_size
+    assert n == expected_n and trainer.rollout_worker._loop_kwargs["logprobs_top_k"] == n
+    trainer.train()
+    kept_gap, full_gap, overflow, terms = [], [], 0, 0
+    for loss_inputs, inputs in recorder.calls:
+        assert loss_inputs.kept_log_mass is not None and loss_inputs.kept_overflow is not None
+        assert inputs[BEHAVIOR_TOPK_LOGPS].shape[-1] == n + 1
+        full_lists = torch.isfinite(engine_lists(inputs[BEHAVIOR_TOPK_LOGPS][inputs["token_index"] >= 0])).sum(-1) >= n
+        assert torch.equal(loss_inputs.kept_overflow, full_lists)
+        assert not (loss_inputs.counted & loss_inputs.kept_overflow).any()
+        overflow += int(loss_inputs.kept_overflow.sum())
+        terms += loss_inputs.kept_overflow.numel()
+        fresh = loss_inputs.counted & (loss_inputs.staleness == 0)
+        mu = loss_inputs.mu_logps[fresh].exp()
+        kept_gap.append((loss_inputs.compared_logps.detach()[fresh].exp() - mu).abs())
+        full_gap.append((loss_inputs.pi_logps.detach()[fresh].exp() - mu).abs())
+        outputs = policy_loss(trainer.trust_region_spec, loss_inputs)
+        assert (outputs.coef[fresh] > 0).all(), "an up-to-date token was masked"
+    kept, full = torch.cat(kept_gap), torch.cat(full_gap)
+    ratios = [
+        entry["dppo/kept_set_overflow_ratio"]
+        for entry in trainer.state.log_history
+        if "dppo/kept_set_overflow_ratio" in entry
+    ]
+    print(
+        f"async top_p={top_p}, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = {full.mean().item():.3g} "
+        f"over {len(kept)} up-to-date tokens; overflow {overflow}/{terms}, logged ratios {ratios}"
+    )
+    assert len(kept) > 0, "no up-to-date sample was trained on"
+    assert kept.mean().item() < FRESH_MISMATCH
+    assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
+    assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
+    if kept_set_logprobs == 3:
+        assert overflow > 0 and any(r > 0 for r in ratios), "no position overflowed a 3-entry list"
+
+
+N_KEPT = 4  # the server's list length in the kept-set gradient test: ≥ 4 finite entries is an overflow
+
+
+def test_kept_set_gradient_is_literal_eq11_with_pi_kept(tmp_path):
+    """Truncated sampling asynchronously: the gradient of `AsyncDPPOTrainer.compute_loss` (TRL's real loss with A = 0
+    plus DPPO's term, through TRL's queue dataset, planner and collator) equals eq. 11 with π_kept = π / π(kept) written
+    out on unpacked sequences — −A·min(π_kept/μ, C)·M·∇log π_kept over the trained tokens, M from D(π_kept, μ) —
+    divided by the loss terms; positions whose list is full (overflow) carry no gradient and are counted."""
+    from references import dppo_per_token_loss
+
+    from dppo_trl.core.functional import binary_tv
+    from dppo_trl.trainers.async_topk import TopKRolloutSample
+
+    recorder = _Recorder()
+    trainer = _recording_trainer(recorder)(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(
+            tmp_path,
+            vllm_server_base_url="http://127.0.0.1:1",
+            top_p=0.9,
+            kept_set_logprobs=N_KEPT,
+            delta_low=0.05,
+            delta_high=0.05,
+        ),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        rollout_worker=_QueueWorker(),
+    )
+    assert trainer.args.kept_set_size == N_KEPT
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [
+        ([5, 6, 7, 40, 41, 90, 91, 92, 42, 43], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1], 1.0),
+        ([5, 6, 8, 44, 93, 94, 45, 46, 47], [0, 0, 0, 1, 0, 0, 1, 1, 1], -1.0),
+        ([9, 8, 48, 49, 95, 50], [0, 0, 1, 1, 0, 1], 0.5),
+        ([9, 8, 51, 96, 97, 52, 53], [0, 0, 1, 0, 0, 1, 1], -0.7),
+    ]
+    plain = _plain_copy(trainer.model)
+    rng = np.random.default_rng(7)
+    samples, references = [], []
+    for index, (ids, mask, advantage) in enumerate(rows):
+        trained = [p for p, m in enumerate(mask) if m]
+        with torch.no_grad():
+            full = torch.log_softmax(plain(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        list_ids = np.full((len(trained), N_KEPT + 1), -1, dtype=np.int64)
+        kept = np.zeros((len(trained), N_KEPT + 1), dtype=bool)
+        for row, p in enumerate(trained):
+            others = [v for v in rng.choice(250, size=N_KEPT + 1, replace=False).tolist() if v != ids[p]][:N_KEPT]
+            list_ids[row] = [ids[p], *others]
+            kept[row, : 1 + int(rng.integers(0, N_KEPT + 1))] = True  # 1..N+1 kept; N or more is an overflow
+        at_ids = full[[p - 1 for p in trained]].gather(-1, torch.tensor(list_ids))
+        log_mass = torch.logsumexp(at_ids.masked_fill(~torch.tensor(kept), -math.inf), -1)
+        mu_lists = torch.where(torch.tensor(kept), at_ids - log_mass[:, None], -math.inf).numpy().astype(np.float32)
+        # μ of the sampled token: π_kept moved by a random log-ratio, so the trust region masks some tokens.
+        mu_lists[:, 0] = np.minimum(mu_lists[:, 0] + rng.normal(0.0, 0.4, size=len(trained)), 0.0)
+        old = np.zeros(len(ids), dtype=np.float32)
+        old[trained] = mu_lists[:, 0]
+        samples.append(
+            TopKRolloutSample(
+                prompt=[],
+                completion=[],
+                input_ids=np.array(ids),
+                completion_mask=np.array(mask),
+                old_log_probs=old,
+                advantage=advantage,
+                model_version=0,
+                group_id=index,
+                metrics={},
+                topk_ids=list_ids,
+                topk_logps=mu_lists,
+            )
+        )
+        references.append((trained, torch.tensor(list_ids), torch.tensor(kept), torch.tensor(mu_lists[:, 0])))
+    for sample in samples * 2:  # two micro-batches of 4: accelerate fetches one ahead
+        trainer.rollout_worker.rollout_buffer.put(sample)
+    batch = next(iter(trainer.get_train_dataloader()))
+    n_terms = int((batch["token_index"] >= 0).sum())
+
+    trainer.model.zero_grad()
+    with cpu_tree_attention():
+        trainer.compute_loss(trainer.model, batch).backward()
+    ours = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    ((loss_inputs, _),) = recorder.calls
+    n_overflow = sum(int((kept.sum(-1) >= N_KEPT).sum()) for _, _, kept, _ in references)
+    assert 0 < int(loss_inputs.kept_overflow.sum()) == n_overflow < n_terms
+    assert trainer._metrics["train"]["dppo/kept_set_overflow_ratio"][-1] == pytest.approx(n_overflow / n_terms)
+    mask_ratio = trainer._metrics["train"]["dppo/mask_ratio"][-1]
+    assert 0.0 < mask_ratio < 1.0, "the test should mask some tokens and keep others"
+
+    spec = trainer.trust_region_spec
+    total = 0.0
+    for sample, (trained, list_ids, kept, mu) in zip(samples, references):
+        ids = torch.tensor(sample.input_ids)
+        full = torch.log_softmax(plain(input_ids=ids[None]).logits[0].float(), dim=-1)[[p - 1 for p in trained]]
+        at_ids = full.gather(-1, list_ids)
+        pi_kept = at_ids[:, 0] - torch.logsumexp(at_ids.masked_fill(~kept, -math.inf), -1)
+        adv = torch.full_like(pi_kept, sample.advantage)
+        divergence = binary_tv(pi_kept.detach(), mu)
+        drop = ((adv > 0) & (pi_kept.detach() > mu) & (divergence > spec.delta_high)) | (
+            (adv < 0) & (pi_kept.detach() < mu) & (divergence > spec.delta_low)
+        )
+        keep = (~drop & (kept.sum(-1) < N_KEPT)).float()
+        total = total + dppo_per_token_loss(pi_kept, mu, adv, keep, spec.ratio_cap).sum()
     (total / n_terms).backward()
     for name, param in plain.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)

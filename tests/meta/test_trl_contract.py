@@ -425,3 +425,8 @@ def test_async_topk_worker_internals():
     trainer_init = inspect.getsource(_async_module())
     for fragment in trl_contract.ASYNC_TRAINER_WORKER_FRAGMENTS:
         assert fragment in trainer_init, fragment
+    # Truncated sampling: the config's top_k/top_p/min_p reach every request the worker sends.
+    for fragment in trl_contract.ASYNC_WORKER_SAMPLING_FRAGMENTS:
+        assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
+    for fragment in trl_contract.ASYNC_TRAINER_SAMPLING_FRAGMENTS:
+        assert fragment in trainer_init, fragment

@@ -175,3 +175,68 @@ def test_environment_on_server_mu_is_the_samplers(tmp_path, server_port, diverge
             if key.startswith("dppo/"):
                 assert math.isfinite(value), key
     assert len(logged(trainer, "loss")) == 2
+
+
+def test_truncated_sampling_with_environment_on_server(tmp_path, server_port):
+    """top_k = K (the server's `--max-logprobs`) with an environment in server mode: each turn's lists (the server
+    floors the dropped tokens' −inf to −9999) are placed at the tokens that turn sampled; on the first (fresh) batch
+    |π_kept − μ| over model tokens is rounding while the full softmax's |π − μ| is the bias, nothing is masked at
+    δ = 0.01, no position can overflow (top_k ≤ N) and tool-result tokens are not counted."""
+    args = DPPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=120,
+        max_steps=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=server_port,
+        vllm_server_timeout=60,
+        top_k=K,
+        delta_low=0.01,
+        delta_high=0.01,
+    )
+    assert args.kept_set_size == K
+    trainer = DPPOTrainer(
+        model=AGENT,
+        reward_funcs=agent_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(AGENT),
+        environment_factory=CalculatorEnv,
+    )
+    batches, records = [], []
+    compute_loss = trainer._compute_loss
+
+    def spy(model, inputs):
+        batches.append(inputs)
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.trust_region_observers.append(records.append)
+    trainer.train()
+
+    batch, record = batches[0], records[0]
+    tool_tokens = batch["completion_mask"].bool() & (batch["tool_mask"] == 0)
+    assert tool_tokens.any(), "no tool result was spliced"
+    counted = record["valid"]
+    assert counted.any() and not (counted & tool_tokens).any()
+    mu = record["mu_logps"][counted].exp()
+    kept = (record["pi_logps"][counted].exp() - mu).abs().mean().item()
+    full = (record["pi_full_logps"][counted].exp() - mu).abs().mean().item()
+    print(
+        f"server top_k={K} with an environment: |pi_kept - mu| = {kept:.3g}, |pi - mu| = {full:.3g} over "
+        f"{int(counted.sum())} model tokens ({int(tool_tokens.sum())} tool tokens)"
+    )
+    assert kept < 1e-4
+    assert full > 100 * kept and full > 1e-3
+    assert logged(trainer, "dppo/mask_ratio") == [0.0]
+    assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]

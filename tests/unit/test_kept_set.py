@@ -161,10 +161,39 @@ def test_unsupported_sampling_is_refused(tmp_path, kwargs, message):
         _config(tmp_path, use_vllm=True, **kwargs)
 
 
-def test_async_config_refuses_truncation_and_names_the_fix(tmp_path):
+@pytest.mark.parametrize(
+    ("kwargs", "n"),
+    [
+        ({}, None),
+        ({"top_p": 0.9}, 64),
+        ({"top_k": 5}, 5),
+        ({"top_k": 100, "min_p": 0.1}, 64),
+        ({"top_p": 0.9, "kept_set_logprobs": 8}, 8),
+        ({"top_p": 0.9, "divergence": "topk_tv", "divergence_top_k": 8, "kept_set_logprobs": 4}, 8),
+    ],
+)
+def test_async_config_kept_set_size_is_server_modes(tmp_path, kwargs, n):
+    """AsyncDPPOConfig chooses N as DPPOConfig does in server mode (same function), without a warning."""
     from dppo_trl import AsyncDPPOConfig
 
-    with pytest.raises(ValueError, match="Set top_k=0, top_p=1.0, min_p=0.0, or use DPPOTrainer"):
-        AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", top_p=0.9)
-    config = AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert config.top_p == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        config = AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+    assert config.kept_set_size == n
+    sync = _config(tmp_path, use_vllm=True, vllm_mode="server", **kwargs)
+    assert sync.kept_set_size == n
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top_k": 100}, "top_k=100 keeps 100 tokens at every position.*kept_set_logprobs ≥ top_k"),
+        ({"top_p": 0.9, "kept_set_logprobs": 0}, "kept_set_logprobs must be ≥ 1"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1 reshapes"),
+    ],
+)
+def test_async_config_refuses_what_no_kept_set_fixes(tmp_path, kwargs, message):
+    from dppo_trl import AsyncDPPOConfig
+
+    with pytest.raises(ValueError, match=message):
+        AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
