@@ -4,7 +4,7 @@
 without importing TRL.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["AsyncDPPOConfig", "AsyncDPPOTrainer", "DPPOConfig", "DPPOTrainer", "__version__"]
 
