@@ -165,6 +165,19 @@ def pretrain_tiny_math_model(
 
 
 @torch.no_grad()
+def sft_checks(model, tokenizer, train: Sequence[dict], test: Sequence[dict], eval_samples: int) -> dict[str, float]:
+    """The figures a model builder records after SFT: accuracy and format rate at T = 1 on both splits, greedy
+    accuracy on the train split."""
+    checks = {}
+    for name, rows in (("train", train), ("test", test)):
+        result = sample_accuracy(model, tokenizer, rows, num_samples=eval_samples, temperature=1.0)
+        checks[f"{name}_accuracy_t1"] = round(result["accuracy"], 4)
+        checks[f"{name}_format_t1"] = round(result["format"], 4)
+    greedy = sample_accuracy(model, tokenizer, train, num_samples=1, temperature=0.0)
+    checks["train_accuracy_greedy"] = round(greedy["accuracy"], 4)
+    return checks
+
+
 def sample_accuracy(
     model,
     tokenizer,

@@ -56,7 +56,7 @@ def make_tiny_math_bpe_model(args: MakeTinyMathBpeArguments) -> dict:
     import torch
 
     from dppo_dev.tiny_bpe import build_bpe_model, train_bpe_tokenizer
-    from dppo_dev.tiny_math import make_tiny_math_problems, pretrain_tiny_math_model, sample_accuracy, split_problems
+    from dppo_dev.tiny_math import make_tiny_math_problems, pretrain_tiny_math_model, sft_checks, split_problems
 
     start = time.time()
     tokenizer = train_bpe_tokenizer(args.vocab_size, args.corpus_problems, args.max_operand, args.seed)
@@ -75,13 +75,7 @@ def make_tiny_math_bpe_model(args: MakeTinyMathBpeArguments) -> dict:
         format_accuracy=args.format_accuracy,
         seed=args.seed,
     )
-    checks = {}
-    for name, rows in (("train", train), ("test", test)):
-        result = sample_accuracy(model, tokenizer, rows, num_samples=args.eval_samples, temperature=1.0)
-        checks[f"{name}_accuracy_t1"] = round(result["accuracy"], 4)
-        checks[f"{name}_format_t1"] = round(result["format"], 4)
-    greedy = sample_accuracy(model, tokenizer, train, num_samples=1, temperature=0.0)
-    checks["train_accuracy_greedy"] = round(greedy["accuracy"], 4)
+    checks = sft_checks(model, tokenizer, train, test, eval_samples=args.eval_samples)
 
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
