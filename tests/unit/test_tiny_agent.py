@@ -1,8 +1,8 @@
 """The bundled tiny tool-calling agent: TRL recognises its template, it starts imperfect, and rebuilding reproduces it."""
 
-import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -40,16 +40,6 @@ def _read_jsonl(path):
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(MODEL_DIR)
-
-
-def _make_script():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_agent_model", os.path.join(ROOT, "scripts", "make_tiny_agent_model.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve field types through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_template_is_trls_qwen3_and_tool_ready(tokenizer):
@@ -97,14 +87,33 @@ def test_committed_agent_starts_imperfect(tokenizer):
 
 
 @pytest.mark.slow
-def test_rebuild_reproduces_committed_agent(tokenizer):
-    module = _make_script()
-    model, built_tokenizer, _, _, test = module.build_tiny_agent(module.MakeTinyAgentArguments())
+def test_rebuild_reproduces_committed_agent(tokenizer, tmp_path):
+    """Rebuilt as a user rebuilds it (the script, in a fresh process: no state from other tests), the agent has the
+    committed weights and answers the held-out problems exactly as the committed one does."""
+    out = tmp_path / "model"
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "make_tiny_agent_model.py"),
+            "--output_dir",
+            str(out),
+            "--data_dir",
+            str(tmp_path / "data"),
+            "--eval_problems",
+            "16",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    built = AutoModelForCausalLM.from_pretrained(out)
+    built_tokenizer = AutoTokenizer.from_pretrained(out)
     committed = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     assert built_tokenizer.get_vocab() == tokenizer.get_vocab()
-    rows = test[:16]
-    assert sample_episode_text(model, built_tokenizer, rows, temperature=0) == sample_episode_text(
+    for (name, rebuilt), (_, saved) in zip(built.state_dict().items(), committed.state_dict().items(), strict=True):
+        torch.testing.assert_close(rebuilt, saved, msg=name)
+    rows = _read_jsonl(os.path.join(DATA_DIR, "test.jsonl"))[:16]
+    assert sample_episode_text(built, built_tokenizer, rows, temperature=0) == sample_episode_text(
         committed, tokenizer, rows, temperature=0
     )
-    for (name, built), (_, saved) in zip(model.state_dict().items(), committed.state_dict().items(), strict=True):
-        torch.testing.assert_close(built, saved, msg=name)
