@@ -6,7 +6,7 @@ Each command (continuation lines joined, comments dropped, normalised with `shle
   venv's python, no PYTHONPATH), after these rewrites and nothing else:
   - `bash scripts/setup.sh && ` is dropped: it is the set-up this test already runs under;
   - `.venv/bin/NAME` is NAME of the venv running the test (a fresh clone's `.venv` in CI);
-  - output paths (`outputs/...`, `/tmp/...`, `--output-dir`/`--output_dir` values) move under one temporary folder,
+  - output paths (`outputs/...`, `/tmp/...`, `--output-dir`/`--output_dir`/`--output` values) move under one temporary folder,
     shared by all the commands, so a later command reads what an earlier one wrote (`compare_runs.py` reads the
     README's two training runs), exactly as on a fresh clone;
   - `shrink` is appended (argparse: the last value wins): the size of each command family, e.g. `--max_steps 2` for
@@ -32,7 +32,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
-OUTPUT_OPTIONS = ("--output-dir", "--output_dir")
+# Options whose value is a path the command writes: moved under the test's temporary folder, never the repository.
+OUTPUT_OPTIONS = ("--output-dir", "--output_dir", "--output")
 
 
 @dataclass(frozen=True)
