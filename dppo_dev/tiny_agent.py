@@ -36,6 +36,8 @@ from importlib.resources import files
 
 import torch
 
+from dppo_dev.tiny_math import sft_step
+
 __all__ = [
     "AGENT_SOURCE",
     "AGENT_TAG_TOKENS",
@@ -259,17 +261,7 @@ def train_agent_sft(
             question, a, b = rng.choice(parsed)
             kind = rng.choices(kinds, weights)[0]
             batch.append(encode_episode(tokenizer, template, prompts[question], a, b, kind, rng))
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-        attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(sft_step(model, batch, pad_id, optimizer, scheduler))
         if log_every and (step + 1) % log_every == 0:
             recent = sum(losses[-log_every:]) / len(losses[-log_every:])
             print(f"step {step + 1}/{steps}  loss {recent:.4f}  ({time.time() - start:.0f}s)", flush=True)

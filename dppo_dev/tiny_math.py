@@ -107,6 +107,22 @@ def _encode_example(tokenizer, prompt: list[dict], completion: str) -> tuple[lis
     return input_ids, labels
 
 
+def sft_step(model, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int, optimizer, scheduler) -> float:
+    """One SFT step on `(input ids, labels)` pairs, right-padded (positions explicit through the attention mask),
+    gradient-clipped at 1.0; returns the loss."""
+    width = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in encoded])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in encoded])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in encoded])
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def pretrain_tiny_math_model(
     model,
     tokenizer,
@@ -145,18 +161,7 @@ def pretrain_tiny_math_model(
             )
             for prompt, ans in batch
         ]
-        width = max(len(ids) for ids, _ in encoded)
-        # Right-pad for training; positions are explicit through the attention mask.
-        input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in encoded])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in encoded])
-        attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in encoded])
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(sft_step(model, encoded, pad_id, optimizer, scheduler))
         if log_every and (step + 1) % log_every == 0:
             recent = sum(losses[-log_every:]) / len(losses[-log_every:])
             print(f"step {step + 1}/{steps}  loss {recent:.4f}  ({time.time() - start:.0f}s)", flush=True)
