@@ -70,6 +70,8 @@ LOSS_AGGREGATION_FRAGMENTS = (
     "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
     'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
     "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+    # `loss_type="luspo"`: whatever per-token term it gets, summed over each completion, averaged over completions
+    # (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).
     "loss = (per_token_loss * mask).sum(-1).mean()",
     'normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0',
 )
@@ -198,9 +200,6 @@ OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
     "old_per_token_logps = None",
 )
 OLD_LOGPS_PASS = "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies("
-# `loss_type="luspo"` aggregates whatever per-token term it gets: a sum over each completion, a mean over completions
-# (`dppo_trl/trainers/config.py`, SUPPORTED_LOSS_TYPES).
-LUSPO_AGGREGATION = "loss = (per_token_loss * mask).sum(-1).mean()"
 # `use_liger_kernel`: GRPOTrainer.__init__ raises its own errors (an adapter on lm_head, Liger's fused cross-entropy)
 # and transformers applies the kernels in `Trainer.train`, not in `__init__`; DPPOTrainer refuses a non-CUDA device in
 # between (`DPPOTrainer._check_liger_device`).

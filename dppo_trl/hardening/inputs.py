@@ -20,6 +20,7 @@ PROCESSING_CLASS_KWARGS = {"truncation_side": "left", "padding_side": "left"}
 def check_trainer_inputs(config, params: dict) -> None:
     """Fail fast on bad trainer inputs; may set `params["processing_class"]` (see the module docstring)."""
     check_generation_config(config)
+    check_processing_class(params.get("processing_class"))
     train_dataset = params.get("train_dataset")
     # With an `environment_factory` the `prompt` column is optional in TRL: each rollout's `reset()` supplies it.
     prompt_required = params.get("environment_factory") is None
@@ -47,6 +48,16 @@ def check_generation_config(config) -> None:
         raise ValueError(
             f"max_completion_length={length}: completions need at least one token. Set max_completion_length to a "
             "positive number of tokens (e.g. 256, or 8192 for DAPO-Math)."
+        )
+
+
+def check_processing_class(processing_class) -> None:
+    """GRPOTrainer takes a loaded tokenizer or processor; a path would fail only after the model is loaded."""
+    if isinstance(processing_class, str | bytes) or hasattr(processing_class, "__fspath__"):
+        raise TypeError(
+            f"processing_class={processing_class!r} is a path, but DPPOTrainer (like GRPOTrainer) takes a loaded "
+            'tokenizer or processor. Load it first: `AutoTokenizer.from_pretrained(path, padding_side="left")`, '
+            "or leave processing_class unset to load the model's own."
         )
 
 

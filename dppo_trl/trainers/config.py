@@ -17,7 +17,7 @@ from dppo_trl.core.spec import TrustRegionSpec
 VLLM_COLOCATE_MAX_LOGPROBS = 20
 # Aggregations of the per-token policy-gradient term that DPPO composes with (GRPOTrainer's `loss_type`). TRL's docs
 # call `luspo` sequence-level (it recommends `importance_sampling_level="sequence"`), but its loss code aggregates a
-# token-level term too — `(per_token_loss * mask).sum(-1).mean()`, pinned in `trl_contract.LUSPO_AGGREGATION` — and
+# token-level term too — `(per_token_loss * mask).sum(-1).mean()`, pinned in `tests/trl_contract.py` — and
 # only warns; with DPPO's per-token term that is the authors' seq-mean-token-sum, which the GPU recipes use.
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 ANCHORS = ("behavior", "recompute")

@@ -84,6 +84,19 @@ def test_conversational_prompts_need_a_chat_template(tiny_model_dir, tmp_path, n
         )
 
 
+@pytest.mark.parametrize("conversational", [False, True])
+def test_processing_class_given_as_a_path(tiny_model_dir, tmp_path, no_model_load, conversational):
+    """A path is refused as what it is (not as a tokenizer without a chat template), before the model loads."""
+    with pytest.raises(TypeError, match=r"processing_class=.* is a path, .*AutoTokenizer.from_pretrained"):
+        DPPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=ascii_reward,
+            args=small_config(tmp_path),
+            train_dataset=prompt_dataset(conversational=conversational),
+            processing_class=tiny_model_dir,
+        )
+
+
 def test_chat_template_is_checked_on_the_tokenizer_trl_would_load(tmp_path, no_model_load):
     """No `processing_class`: the tokenizer saved with the model is loaded (as TRL would) and checked, before the
     model."""

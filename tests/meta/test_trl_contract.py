@@ -232,10 +232,6 @@ def test_the_old_logps_pass_dppo_declines_is_the_first_pass_of_generation():
     assert source.index(trl_contract.OLD_LOGPS_PASS) + len("old_per_token_logps, _, _ = ") == first_pass
 
 
-def test_luspo_aggregates_a_token_level_term():
-    assert trl_contract.LUSPO_AGGREGATION in inspect.getsource(GRPOTrainer._compute_loss)
-
-
 def test_liger_errors_and_kernels_are_where_dppo_expects_them():
     """GRPOTrainer raises its Liger-related errors in `__init__`; transformers applies the kernels in `train()`."""
     from transformers import Trainer

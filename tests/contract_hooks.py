@@ -1,0 +1,122 @@
+"""Which proposed TRL change (docs/upstream.md) would remove each pin of `tests/trl_contract.py`.
+
+`REMOVED_BY` names, for every constant of the contract, the upstream hook that makes it unnecessary, or `KEPT` for a
+dependency no proposed hook removes (an ordinary override of a public method, a batch key, TRL's checkpoint and
+model-card plumbing the hardening builds on, a vLLM route). A constant whose entries part ways maps each entry (the
+dict key, or the tuple element) separately. `tests/meta/test_contract_hooks.py` keeps this map complete and its hook
+names equal to the headings of docs/upstream.md; `benchmarks/contract_size.py` counts the pins with it.
+"""
+
+from __future__ import annotations
+
+KEPT = "kept"
+
+# Hook id -> the heading of its section in docs/upstream.md (under "## GRPOTrainer", "## CPU runtime" or
+# "## AsyncGRPOTrainer").
+HOOKS = {
+    "grpo-1": "1. A predicate for the π_old pass",
+    "grpo-2": "2. A per-token weight hook that receives the batch",
+    "grpo-3": "3. Opening the ratio clip",
+    "grpo-4": "4. An aggregation helper for extra per-token terms",
+    "grpo-5": "5. Per-turn engine extras in the tool loop",
+    "cpu-1": "1. The colocated engine's arguments (`trl.generation.vllm_generation.LLM`)",
+    "cpu-2": "2. The server client class (`trl.generation.vllm_generation.VLLMClient`)",
+    "async-1": "1. Keep `model_version` in the sample dict and the batch",
+    "async-2": "2. Split `compute_loss` into the forward and a per-token policy loss",
+    "async-3": "3. Keep `model_version` on every rank",
+    "async-4": "4. The peak-FLOPs lookup on a machine without CUDA",
+    "async-5": "5. A `logprobs` option in the rollout worker, carried to the batch",
+}
+
+REMOVED_BY: dict[str, str | dict[str, str]] = {
+    "OVERRIDDEN_METHODS": {
+        "_generate_and_score_completions": KEPT,  # attaches μ's lists and the kept set to the batch
+        "_get_per_token_logps_and_entropies": KEPT,  # the final hidden states for top-K, besides the declined pass
+        "_compute_loss": "grpo-2",  # only sets the per-call slot
+        "get_off_policy_mask": "grpo-2",
+        "create_model_card": KEPT,
+        "_save_checkpoint": KEPT,
+        "train": KEPT,
+    },
+    "STATIC_METHODS": "grpo-2",
+    "TRAINER_ATTRIBUTES": {
+        "epsilon_low": "grpo-3",
+        "epsilon_high": "grpo-3",
+        "off_policy_mask_threshold": "grpo-2",
+        "_metrics": KEPT,
+        "current_gradient_accumulation_steps": "grpo-4",
+        "top_entropy_quantile": "grpo-4",
+    },
+    "VLLM_TRAINER_ATTRIBUTES": KEPT,
+    "COMPUTE_LOSS_FRAGMENTS": {
+        'inputs.get("old_per_token_logps")': "grpo-3",
+        "per_token_logps.detach() if old_per_token_logps is None": "grpo-3",
+        "if self.off_policy_mask_threshold is not None:": "grpo-2",
+        "self.get_off_policy_mask(": "grpo-2",
+        "per_token_loss = per_token_loss * off_policy_mask": "grpo-2",
+        "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)": "grpo-3",
+        "if advantages.dim() == 1:": "grpo-3",
+        "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)": "grpo-4",
+        "per_token_loss = per_token_loss * entropy_mask": "grpo-4",
+    },
+    "LOSS_AGGREGATION_FRAGMENTS": "grpo-4",
+    "PER_TOKEN_LOGPS_ARITY": KEPT,
+    "PER_TOKEN_LOGPS_FRAGMENTS": KEPT,
+    "FUSED_HEAD_FRAGMENTS": KEPT,
+    "GENERATION_OUTPUT_KEYS": KEPT,
+    "GENERATION_OPTIONAL_KEYS": KEPT,
+    "VLLM_GENERATE_PARAMS": KEPT,
+    "VLLM_GENERATE_FRAGMENTS": KEPT,
+    "VLLM_COLOCATE_LOGPROBS_MODE": KEPT,
+    "GENERATE_SINGLE_TURN_FRAGMENTS": KEPT,
+    "VLLM_GENERATE_PROMPT_FRAGMENTS": "grpo-5",
+    "TOOL_LOOP_FRAGMENTS": "grpo-5",
+    "UTILS": KEPT,
+    "TRAINER_SAVE_CHECKPOINT_FRAGMENTS": KEPT,
+    "GRPO_SAVE_CHECKPOINT_FRAGMENTS": KEPT,
+    "PREPARE_INPUTS_FRAGMENTS": KEPT,
+    "PROCESSING_CLASS_FRAGMENTS": KEPT,
+    "MODEL_CARD_TEMPLATE_FRAGMENTS": KEPT,
+    "VLLM_GENERATION_CLIENT_SYMBOL": "cpu-2",
+    "VLLM_INIT_SERVER_FRAGMENTS": {
+        "self.vllm_client = VLLMClient(": "cpu-2",
+        "self.vllm_client.init_communicator(device=accelerator.device)": KEPT,  # the subclass still overrides it
+    },
+    "VLLM_SERVER_SYNC_FRAGMENTS": KEPT,  # the subclass still receives TRL's parameter stream
+    "VLLM_CLIENT_METHODS": KEPT,  # a `client_cls` argument keeps the subclass and its overrides
+    "VLLM_CLIENT_INIT_FRAGMENTS": KEPT,
+    "VLLM_SERVER_MODULE": KEPT,
+    "VLLM_RPC_ROUTE_MODULE": KEPT,
+    "VLLM_RELOAD_PARAMS": KEPT,
+    "VLLM_API_KEY_GUARDED_PREFIXES": KEPT,
+    "OLD_LOGPS_RECOMPUTE_FRAGMENTS": "grpo-1",
+    "OLD_LOGPS_PASS": "grpo-1",
+    "LIGER_GRPO_INIT_FRAGMENTS": KEPT,
+    "LIGER_APPLY_FRAGMENT": KEPT,
+    "ASYNC_MODULE": KEPT,
+    "ASYNC_OVERRIDDEN_METHODS": {"__init__": KEPT, "get_train_dataloader": "async-1", "compute_loss": "async-2"},
+    "ASYNC_DATALOADER_REPLACEMENTS": "async-1",
+    "ASYNC_COMPUTE_LOSS_FRAGMENTS": "async-2",
+    "ROLLOUT_SAMPLE_FIELDS": "async-1",
+    "ASYNC_TRAINER_ATTRIBUTES": {"model_version": "async-1", "_metrics": KEPT},
+    "ASYNC_MODEL_VERSION_WRITERS": "async-3",
+    "ASYNC_PEAK_FLOPS_SYMBOL": "async-4",
+    "TREE_ATTENTION_NAME": KEPT,
+    "TREE_ATTENTION_PARAMS": KEPT,
+    "WEIGHT_TRANSFER_METHODS": KEPT,
+    "ASYNC_VLLM_CLIENT_METHODS": KEPT,
+    "ASYNC_WORKER_MODULE": "async-5",
+    "ASYNC_LOOP_OVERRIDDEN_METHODS": "async-5",
+    "ASYNC_WORKER_FRAGMENTS": "async-5",
+    "TURN_RECORD_FIELDS": "async-5",
+    "TRAINING_SEQUENCE_FIELDS": "async-5",
+    "ASYNC_WORKER_SAMPLING_FRAGMENTS": "async-5",
+    "ASYNC_TRAINER_SAMPLING_FRAGMENTS": "async-5",
+    "ASYNC_WORKER_FRAGMENTS_CONTROLLER": "async-5",
+    "ASYNC_TRAINER_WORKER_FRAGMENTS": "async-5",
+    "JIT_CHECKPOINT_FRAGMENTS": KEPT,
+    "VLLM_CLIENT_RETRY_FRAGMENTS": KEPT,
+    "VLLM_SYNC_CALL_FRAGMENT": KEPT,
+    "VLLM_INIT_COLOCATE_FRAGMENTS": "cpu-1",
+    "CPU_ENGINE_ARGUMENTS_TRL_DOES_NOT_PASS": "cpu-1",
+}
