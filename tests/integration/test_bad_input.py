@@ -75,26 +75,14 @@ def test_conversational_prompts_need_a_chat_template(tiny_model_dir, tmp_path, n
     tokenizer = build_byte_tokenizer()
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match=r"prompts are conversations .* has no chat template.*processing_class"):
-        DPPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=ascii_reward,
-            args=small_config(tmp_path),
-            train_dataset=prompt_dataset(conversational=True),
-            processing_class=tokenizer,
-        )
+        _dppo_trainer(tiny_model_dir, tmp_path, conversational=True, processing_class=tokenizer)
 
 
 @pytest.mark.parametrize("conversational", [False, True])
 def test_processing_class_given_as_a_path(tiny_model_dir, tmp_path, no_model_load, conversational):
     """A path is refused as what it is (not as a tokenizer without a chat template), before the model loads."""
     with pytest.raises(TypeError, match=r"processing_class=.* is a path, .*AutoTokenizer.from_pretrained"):
-        DPPOTrainer(
-            model=tiny_model_dir,
-            reward_funcs=ascii_reward,
-            args=small_config(tmp_path),
-            train_dataset=prompt_dataset(conversational=conversational),
-            processing_class=tiny_model_dir,
-        )
+        _dppo_trainer(tiny_model_dir, tmp_path, conversational=conversational, processing_class=tiny_model_dir)
 
 
 def test_chat_template_is_checked_on_the_tokenizer_trl_would_load(tmp_path, no_model_load):
@@ -108,12 +96,17 @@ def test_chat_template_is_checked_on_the_tokenizer_trl_would_load(tmp_path, no_m
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     with pytest.raises(ValueError, match="has no chat template"):
-        DPPOTrainer(
-            model=model_dir,
-            reward_funcs=ascii_reward,
-            args=small_config(tmp_path / "out"),
-            train_dataset=prompt_dataset(conversational=True),
-        )
+        _dppo_trainer(model_dir, tmp_path / "out", conversational=True)
+
+
+def _dppo_trainer(model, output_dir, *, conversational: bool, **kwargs) -> DPPOTrainer:
+    return DPPOTrainer(
+        model=model,
+        reward_funcs=ascii_reward,
+        args=small_config(output_dir),
+        train_dataset=prompt_dataset(conversational=conversational),
+        **kwargs,
+    )
 
 
 def test_good_inputs_reach_grpo_init_with_the_loaded_tokenizer(tiny_model_dir, tmp_path, monkeypatch):
