@@ -505,6 +505,7 @@ def report(args: argparse.Namespace, jobs: list[dict], header: dict, record: dic
 def make_header(args: argparse.Namespace, command: str, previous: dict, load_before, wall: float | None) -> dict:
     """Command, settings, versions and machine of the sweep (what `sweep.json` needs to be reproduced)."""
     settings = run_settings(args)
+    earlier = previous.get("wall_seconds", 0)
     return {
         "command": previous.get("command", command),
         "resumed_with": [*previous.get("resumed_with", []), command] if previous else [],
@@ -522,7 +523,8 @@ def make_header(args: argparse.Namespace, command: str, previous: dict, load_bef
         },
         "versions": versions(),
         "machine": machine_info(load_before, workers=args.workers, threads_per_worker=args.threads),
-        "wall_seconds": None if wall is None else round(previous.get("wall_seconds", 0) + wall, 1),
+        # A header rebuilt by --reaggregate has no wall time: the total stays unknown after a resume.
+        "wall_seconds": None if wall is None or earlier is None else round(earlier + wall, 1),
     }
 
 

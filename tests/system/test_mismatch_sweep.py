@@ -123,3 +123,10 @@ def test_resume_from_the_committed_record(tmp_path):
         {"level": "none", "method": "dppo_tv", "seed": 2}
     ]
     assert (tmp_path / "runs.jsonl").read_text().splitlines() == [json.dumps(r, separators=(",", ":")) for r in lines]
+    # A header rebuilt by --reaggregate (a stopped sweep's) has no wall time; resuming from it still finishes.
+    (tmp_path / "header.json").unlink()
+    subprocess.run([*base, "--seeds", "0-1", "--reaggregate"], capture_output=True, text=True, env=env, check=True)
+    assert json.loads((tmp_path / "header.json").read_text())["wall_seconds"] is None
+    third = sweep("--seeds", "0-1", "--resume")
+    assert "0 of 2 runs to do" in third.stderr
+    assert json.loads((tmp_path / "sweep.json").read_text())["wall_seconds"] is None
