@@ -5,8 +5,10 @@ The paper (§4.2, Fig. 1 and 6) predicts that ratio clipping masks low-probabili
 divergence trust region does, and that this matters more the longer the vocabulary's tail. This script reads the
 Fig. 6 histograms `compare.py` pooled for each model (every run's masked / kept sampled tokens per μ bin, summed over
 seeds) and puts them side by side: per model and method, the share of sampled tokens masked (DPPO) or clipped (the
-ratio baselines) with μ < 0.1 and with μ ≥ 0.1, and the low-μ gap, each ratio clip's share minus DPPO-TV's. Whether
-the gap widens with the vocabulary is read off, not tested (docs/results.md, the BPE study's plan).
+ratio baselines) with μ < 0.1 and with μ ≥ 0.1, and the low-μ gap, each ratio clip's share minus DPPO-TV's. Since
+a longer tail also means more low-μ tokens, the masked low-μ tokens are also given as a share of *all* sampled
+tokens, with the same gap. Whether the gap widens with the vocabulary is read off, not tested (docs/results.md, the
+BPE study's plan).
 
 ```bash
 python benchmarks/sanity/fig6_vocab.py \
@@ -50,12 +52,14 @@ def masked_shares(fig6: dict) -> dict:
 
     total = sum(fig6["masked"]) + sum(fig6["kept"])
     low_sampled = sum(fig6["masked"][i] + fig6["kept"][i] for i in low)
+    low_masked = sum(fig6["masked"][i] for i in low)
     return {
         "runs": fig6["n_runs"],
         "sampled_tokens": total,
         "sampled_share_low_mu": low_sampled / total if total else None,
         "masked_share_low_mu": share(low),
         "masked_share_high_mu": share(high),
+        "low_mu_masked_of_all": low_masked / total if total else None,
         "masked_share_by_bin": fig6["masked_share"],
         "mu_bins": edges,
     }
@@ -76,7 +80,15 @@ def analyse(args: argparse.Namespace) -> dict:
             cells[method] = masked_shares(cell["fig6"])
         reference = cells[REFERENCE]["masked_share_low_mu"]
         gaps = {m: cells[m]["masked_share_low_mu"] - reference for m in methods if m != REFERENCE}
-        models[label] = {"source": path, "status": compare.get("status"), "methods": cells, "low_mu_gap": gaps}
+        reference_of_all = cells[REFERENCE]["low_mu_masked_of_all"]
+        gaps_of_all = {m: cells[m]["low_mu_masked_of_all"] - reference_of_all for m in methods if m != REFERENCE}
+        models[label] = {
+            "source": path,
+            "status": compare.get("status"),
+            "methods": cells,
+            "low_mu_gap": gaps,
+            "low_mu_gap_of_all": gaps_of_all,
+        }
     return {"level": args.level, "low_mu_below": LOW_MU, "reference": REFERENCE, "models": models}
 
 
@@ -84,18 +96,20 @@ def format_table(result: dict) -> str:
     lines = [
         f"Fig. 6 by vocabulary at `{result['level']}`: share of sampled tokens masked (DPPO) or clipped (ratio), "
         f"μ < {result['low_mu_below']} and μ ≥ {result['low_mu_below']}; gap = that method's low-μ share minus "
-        f"{result['reference']}'s.",
+        f"{result['reference']}'s; the last two columns count the masked low-μ tokens against all sampled tokens.",
         "",
-        "| model | method | runs | sampled tokens | share with μ < 0.1 | masked, μ < 0.1 | masked, μ ≥ 0.1 | low-μ gap |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | method | runs | sampled tokens | share with μ < 0.1 | masked, μ < 0.1 | masked, μ ≥ 0.1 | low-μ gap "
+        "| low-μ masked, of all sampled | its gap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, model in result["models"].items():
         for method, c in model["methods"].items():
-            gap = model["low_mu_gap"].get(method)
+            gap, gap_of_all = model["low_mu_gap"].get(method), model["low_mu_gap_of_all"].get(method)
             lines.append(
                 f"| {label} | {method} | {c['runs']} | {c['sampled_tokens']:,} | {c['sampled_share_low_mu']:.3f} | "
                 f"{c['masked_share_low_mu']:.4f} | {c['masked_share_high_mu']:.4f} | "
-                f"{'–' if gap is None else f'{gap:+.4f}'} |"
+                f"{'–' if gap is None else f'{gap:+.4f}'} | {c['low_mu_masked_of_all']:.4f} | "
+                f"{'–' if gap_of_all is None else f'{gap_of_all:+.4f}'} |"
             )
     return "\n".join(lines) + "\n"
 

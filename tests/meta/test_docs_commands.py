@@ -181,6 +181,10 @@ DECISIONS = {
     ".venv/bin/python benchmarks/sanity/compare.py --sweeps benchmarks/sanity/results/bpe_seeds40/runs.jsonl "
     "--levels noise=0.3 --methods dppo_tv,grpo_clip,clip_higher --against grpo_clip,clip_higher --secondary '' "
     "--target-seeds 40 --output-dir benchmarks/sanity/results/bpe_seeds40": Run(),
+    ".venv/bin/python benchmarks/sanity/fig6_vocab.py --compare "
+    "'bytes (259)=benchmarks/sanity/results/mismatch_seeds100/compare.json' --compare "
+    "'BPE (8,192)=benchmarks/sanity/results/bpe_seeds40/compare.json' --level noise=0.3 --output-dir "
+    "benchmarks/sanity/results/fig6_vocab": Run(),
     # docs/async.md
     ".venv/bin/python examples/train_dapo_math_async.py": Run(
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
