@@ -144,13 +144,6 @@ PREPARE_INPUTS_FRAGMENTS = (
     "generate_every = self.args.steps_per_generation * self.num_iterations",
     "if self._step % generate_every == 0 or self._buffered_inputs is None:",
 )
-# Inputs (dppo_trl/hardening/inputs.py): GRPOTrainer loads a missing processing class with these arguments, after the model.
-PROCESSING_CLASS_FRAGMENTS = (
-    "if processing_class is None:",
-    "processing_class = AutoProcessor.from_pretrained(",
-    'truncation_side="left",',
-    'padding_side="left",',
-)
 # Model card (dppo_trl/hardening/model_card.py rewrites these parts of TRL's template).
 MODEL_CARD_TEMPLATE_FRAGMENTS = (
     "This model is a fine-tuned version of",

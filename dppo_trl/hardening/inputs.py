@@ -1,10 +1,10 @@
 """Checks on DPPOTrainer's inputs that must fail before GRPOTrainer loads the model or starts the vLLM engine.
 
 `GRPOTrainer.__init__` loads the model, then the tokenizer, then (with `use_vllm`) starts the engine, all in one call.
-Everything here therefore runs before `super().__init__`: the config and the datasets are plain arguments, and the
-one thing TRL would load late — the tokenizer, needed to know whether a chat template exists — is loaded here (with
-TRL's own arguments) only when the prompts are conversational and no `processing_class` was given; it is then passed
-on to GRPOTrainer, which uses it instead of loading its own.
+Everything here therefore runs before `super().__init__`: the config and the datasets are plain arguments. Whether a
+chat template exists is a property of the model's tokenizer files, so when the prompts are conversational and no
+`processing_class` was given, the model's processing class is loaded here only to look at its template; GRPOTrainer
+then loads its own as usual (the load arguments it uses do not change the template, so nothing here depends on them).
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import warnings
 
 from dppo_trl.hardening.checkpoints import save_steps_hint
 
-# GRPOTrainer loads a missing processing class with these arguments (pinned by tests/meta/test_trl_contract.py).
-PROCESSING_CLASS_KWARGS = {"truncation_side": "left", "padding_side": "left"}
-
 
 def check_trainer_inputs(config, params: dict) -> None:
-    """Fail fast on bad trainer inputs; may set `params["processing_class"]` (see the module docstring)."""
+    """Fail fast on bad trainer inputs (see the module docstring); `params` is read, never changed."""
     check_generation_config(config)
     check_processing_class(params.get("processing_class"))
     train_dataset = params.get("train_dataset")
@@ -34,7 +31,7 @@ def check_trainer_inputs(config, params: dict) -> None:
     if _first_prompt_is_conversational(train_dataset):
         processing_class = params.get("processing_class")
         if processing_class is None:
-            processing_class = params["processing_class"] = _load_processing_class(params["model"], config)
+            processing_class = _model_processing_class(params["model"], config)
         check_chat_template(processing_class, params["model"])
     hint = save_steps_hint(config)
     if hint is not None:
@@ -115,13 +112,12 @@ def _first_prompt_is_conversational(dataset) -> bool:
     return is_conversational({"prompt": dataset[0]["prompt"]})
 
 
-def _load_processing_class(model, config):
+def _model_processing_class(model, config):
+    """The processing class saved with the model, as GRPOTrainer would find it (same source and revision)."""
     from transformers import AutoProcessor
 
     if isinstance(model, str):
         model_id, revision = model, (config.model_init_kwargs or {}).get("revision")
     else:
         model_id, revision = getattr(model.config, "_name_or_path", ""), None
-    return AutoProcessor.from_pretrained(
-        model_id, revision=revision, trust_remote_code=config.trust_remote_code, **PROCESSING_CLASS_KWARGS
-    )
+    return AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=config.trust_remote_code)
