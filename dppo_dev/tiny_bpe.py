@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from dppo_dev.tiny_math import ANSWER_INSTRUCTION, format_completion, make_tiny_math_problems
-from dppo_dev.tiny_models import CHATML_TEMPLATE, tiny_qwen3_config
+from dppo_dev.tiny_models import chatml_tokenizer, tiny_qwen3_config
 
 __all__ = ["SPECIAL_TOKENS", "build_bpe_model", "task_corpus", "train_bpe_tokenizer"]
 
@@ -65,15 +65,7 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     backend.train_from_iterator(task_corpus(num_random, max_operand, seed), trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        truncation_side="left",
-        chat_template=CHATML_TEMPLATE,
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer = chatml_tokenizer(backend)
     ids = [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
     if ids != [0, 1, 2]:
         raise RuntimeError(f"Unexpected special-token ids {ids}, expected [0, 1, 2]")

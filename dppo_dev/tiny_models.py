@@ -76,6 +76,16 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     backend.add_special_tokens(
         [AddedToken(tok, special=True, normalized=False) for tok in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
     )
+    tokenizer = chatml_tokenizer(backend)
+    expected = {"<|endoftext|>": ENDOFTEXT_ID, "<|im_start|>": IM_START_ID, "<|im_end|>": IM_END_ID}
+    actual = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in expected}
+    if actual != expected:
+        raise RuntimeError(f"Unexpected special-token ids {actual}, expected {expected}")
+    return tokenizer
+
+
+def chatml_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend as a left-padded fast tokenizer with ChatML specials and the chat template."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
@@ -85,10 +95,6 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHATML_TEMPLATE,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    expected = {"<|endoftext|>": ENDOFTEXT_ID, "<|im_start|>": IM_START_ID, "<|im_end|>": IM_END_ID}
-    actual = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in expected}
-    if actual != expected:
-        raise RuntimeError(f"Unexpected special-token ids {actual}, expected {expected}")
     return tokenizer
 
 
