@@ -21,14 +21,14 @@
 # Environment: GPU_WHEELS_DIR (default .gpu_wheels; wheels for PYTHON's version), PYTHON (default python3: the
 # machine's CUDA PyTorch, with pip).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 DRY=0
 OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) OUT="$1"; shift ;;
   esac
 done
@@ -48,7 +48,10 @@ export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 # The tests' offline settings (tests/conftest.py sets them too); nothing is fetched from the Hub.
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
-PY_VERSION="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+if ! PY_VERSION="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"; then
+  echo "gpu_check: PYTHON=$PYTHON does not run; set PYTHON to the machine's CUDA PyTorch interpreter" >&2
+  exit 2
+fi
 # Everything after the install runs as PYTHON with the wheels first on the path; the checkout is there for `dppo_dev`
 # and `dapo_math` (not in the wheel). `-P` keeps `-m pytest` and `-c` from putting the checkout's own dppo_trl ahead
 # of the wheel's (Python >= 3.11, which TRL 1.16 needs anyway).

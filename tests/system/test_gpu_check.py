@@ -216,6 +216,21 @@ def test_dry_run_reports_a_missing_wheel_folder(dry_run):
     assert "skipping the steps that need the installed wheels" in log
 
 
+def test_real_run_without_cuda_stops_before_installing(tmp_path, wheel_folder, venv_python):
+    """The real run's plumbing on CPU: the CUDA check fails, nothing is installed or run, the JSON says why."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=venv_python, GPU_WHEELS_DIR=str(wheel_folder))
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 1 and report["dry_run"] is False and report["ok"] is False
+    steps = report["steps"]
+    assert steps["cuda"]["rc"] != 0 and steps["gpu_tests_select"]["rc"] == 0 and steps["wheels"]["rc"] == 0
+    assert not {"machine", "install", "imports", "gpu_tests", "topk_memory", "gpu_train"} & set(steps)
+    assert "no CUDA device" in (tmp_path / "gpu_check.log").read_text()
+
+
 def _replace(path: Path, old: str, new: str) -> None:
     text = path.read_text(encoding="utf-8")
     assert old in text, f"{path}: the defect this test re-creates is no longer spelled {old!r}; update the test"
