@@ -23,7 +23,8 @@ optimizer steps per generation batch (`steps_per_generation = 2`), so the second
 decode ids above 258), so groups have reward variance and the policy moves.
 
 Reports per run: losses, grad norms, DPPO metrics of every step, whether all are finite, whether the weights moved,
-wall time per optimizer step and the peak CUDA memory. Prints one JSON object to stdout (notices go to stderr).
+wall time per optimizer step and the peak CUDA memory. Prints one JSON object to stdout (notices go to stderr) and
+exits 1 unless every run finished with finite values and moved the weights (a run that raised counts as failed).
 
     python benchmarks/gpu_train.py                       # 100m on CUDA: binary_tv, topk_tv × liger off, on
     python benchmarks/gpu_train.py --size tiny --device cpu --liger off --steps 2
@@ -143,9 +144,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         print(json.dumps(run_worker(args)))
-        return
+        return 0
     passthrough = list(argv if argv is not None else sys.argv[1:])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    # The checkout (for `dppo_dev`) after the caller's PYTHONPATH, so a dppo_trl installed there (the GPU check's
+    # wheel) is the one the workers train with.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p))
     runs = {}
     for divergence in [d for d in args.divergences.split(",") if d]:
         for liger in [x for x in args.liger.split(",") if x]:
@@ -173,7 +176,9 @@ def main(argv=None):
             indent=1,
         )
     )
+    # A failed run must fail the command: scripts/gpu_check.sh (and any CI) reads the exit code.
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

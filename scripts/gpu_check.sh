@@ -2,27 +2,33 @@
 # Every GPU check of dppo-trl in one command, on a CUDA machine that cannot reach PyPI:
 #
 #   scripts/gpu_check.sh OUT_DIR            # on the GPU machine, with the wheel folder built by scripts/gpu_wheels.sh
-#   scripts/gpu_check.sh --dry-run OUT_DIR  # anywhere, no CUDA: checks the wheel folder and every command it would run
+#   scripts/gpu_check.sh --dry-run OUT_DIR  # anywhere, no CUDA: the same install and every command, on CPU
 #
 # Steps (real run): check the wheel folder against its manifest and the machine against what the wheels expect;
-# install the wheels into a virtual environment on top of the machine's packages (`--system-site-packages`, so its
-# CUDA torch and triton are used) with `pip install --no-index --find-links`; run the `gpu`-marked tests;
-# benchmarks/topk_memory.py at V = 151,936 in bf16 on CUDA (the trainer's top-K path, design A, naive full logits and
-# the two binary paths); benchmarks/gpu_train.py (a ~100M-parameter Qwen3-shaped model, transformers generation,
-# binary_tv and topk_tv, use_liger_kernel off and on). Writes OUT_DIR/gpu_check.json (one object: each step's exit
-# code and output) and OUT_DIR/gpu_check.log (everything printed). Exit code 0 only if every step passed.
+# select the test files holding `gpu`-marked tests (none is a failure); install the wheels with
+# `PYTHON -m pip install --no-index --no-deps --target SITE` (a temporary folder) and run everything with
+# `PYTHONPATH=SITE:<checkout>:<checkout>/examples` and PYTHON itself, so the machine's CUDA torch and triton are used
+# even when PYTHON is a virtual environment (a venv made from it with --system-site-packages would see the base
+# interpreter's packages instead); check that torch imports from the machine and every installed wheel's package
+# from SITE; run the `gpu`-marked tests; benchmarks/topk_memory.py at V = 151,936 in bf16 on CUDA (the trainer's
+# top-K path, design A, naive full logits and the two binary paths); benchmarks/gpu_train.py (a ~100M-parameter
+# Qwen3-shaped model, transformers generation, binary_tv and topk_tv, use_liger_kernel off and on).
+# The dry run installs and imports the same way (no CUDA needed), builds the dppo-trl wheel with PYTHON as
+# scripts/gpu_wheels.sh does, collects the selected tests, checks the benchmarks' command lines, and checks that
+# benchmarks/gpu_train.py exits non-zero when its run fails. Writes OUT_DIR/gpu_check.json (one object: each step's
+# exit code, seconds and output) and OUT_DIR/gpu_check.log (everything printed). Exit code 0 only if every step passed.
 #
-# Environment: GPU_WHEELS_DIR (default .gpu_wheels), PYTHON (default python3: the machine's CUDA PyTorch),
-# GPU_CHECK_VENV (default /tmp/dppo-gpu-venv). Not verified on a GPU yet: written and dry-run on a CPU-only machine.
+# Environment: GPU_WHEELS_DIR (default .gpu_wheels; wheels for PYTHON's version), PYTHON (default python3: the
+# machine's CUDA PyTorch, with pip).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 DRY=0
 OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) OUT="$1"; shift ;;
   esac
 done
@@ -32,18 +38,24 @@ if [ -z "$OUT" ]; then
 fi
 WHEELS="${GPU_WHEELS_DIR:-.gpu_wheels}"
 PYTHON="${PYTHON:-python3}"
-VENV="${GPU_CHECK_VENV:-/tmp/dppo-gpu-venv}"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
 PARTS="$(mktemp -d)"
 trap 'rm -rf "$PARTS"' EXIT
+SITE="$PARTS/site"  # the installed wheels: a few seconds to install, so never kept between runs
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 # The tests' offline settings (tests/conftest.py sets them too); nothing is fetched from the Hub.
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
-
-GPU_TEST_FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+if ! PY_VERSION="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"; then
+  echo "gpu_check: PYTHON=$PYTHON does not run; set PYTHON to the machine's CUDA PyTorch interpreter" >&2
+  exit 2
+fi
+# Everything after the install runs as PYTHON with the wheels first on the path; the checkout is there for `dppo_dev`
+# and `dapo_math` (not in the wheel). `-P` keeps `-m pytest` and `-c` from putting the checkout's own dppo_trl ahead
+# of the wheel's (Python >= 3.11, which TRL 1.16 needs anyway).
+RUN=(env PYTHONPATH="$SITE:$PWD:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON")
 TOPK_ARGS=(--device cuda --dtype bfloat16 --vocab 151936 --hidden 4096 --n-tokens 8192 --k 20 --repeats 3)
 
 # step NAME TIMEOUT_S COMMAND...: run it, keep its stdout in $PARTS/NAME.out, its exit code in $PARTS/NAME.rc
@@ -61,46 +73,75 @@ step() {
   return 0
 }
 
+# fail NAME MESSAGE: mark a step failed, saying why
+fail() {
+  echo "=== $1: $2" | tee -a "$LOG"
+  echo 1 >"$PARTS/$1.rc"
+}
+
+passed() { [ "$(cat "$PARTS/$1.rc")" = 0 ]; }
+
 # contains NAME TEXT...: the step passes only if its output holds every TEXT
 contains() {
   local name="$1"
   shift
   for text in "$@"; do
-    if ! grep -q -- "$text" "$PARTS/$name.out"; then
-      echo "=== $name: output lacks '$text'" | tee -a "$LOG"
-      echo 1 >"$PARTS/$name.rc"
-    fi
+    grep -q -- "$text" "$PARTS/$name.out" || fail "$name" "output lacks '$text'"
   done
 }
 
+# The test files that hold a `gpu`-marked test (a decorator or a module-level `pytestmark`): exactly these run, so
+# pytest never imports the vLLM test modules on a machine without vLLM. grep exits 1 when there is none.
+step gpu_tests_select 60 grep -rlE --include='test_*.py' \
+  '^[[:space:]]*(@pytest\.mark\.gpu\b|pytestmark[[:space:]]*=.*pytest\.mark\.gpu\b)' tests
+passed gpu_tests_select || fail gpu_tests_select "no test file under tests/ holds a gpu-marked test"
+mapfile -t GPU_TEST_FILES < <(sort "$PARTS/gpu_tests_select.out")
+
 if [ "$DRY" = 1 ]; then
-  step wheels 300 "$PYTHON" scripts/gpu_manifest.py check "$WHEELS"
+  step wheels 300 "$PYTHON" scripts/gpu_manifest.py check "$WHEELS" --python "$PY_VERSION"
   step scripts_parse 60 bash -n scripts/gpu_check.sh scripts/gpu_wheels.sh
   step python_compiles 60 "$PYTHON" -m py_compile benchmarks/topk_memory.py benchmarks/gpu_train.py scripts/gpu_manifest.py
-  # shellcheck disable=SC2086  # a list of file names without spaces
-  step gpu_tests_collect 300 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider -m gpu $GPU_TEST_FILES
-  contains gpu_tests_collect "::"
-  step topk_memory_cli 120 "$PYTHON" benchmarks/topk_memory.py --help
-  contains topk_memory_cli --device --dtype --vocab --variants
-  step gpu_train_cli 120 "$PYTHON" benchmarks/gpu_train.py --help
-  contains gpu_train_cli --size --liger --divergences
-  step manifest_cli 60 "$PYTHON" scripts/gpu_manifest.py --help
+  # What scripts/gpu_wheels.sh builds, with this PYTHON: it must not need setuptools, `wheel` or the network.
+  step wheel_build 120 env PYTHON="$PYTHON" bash scripts/gpu_wheels.sh --no-download "$PARTS/built" --python "$PY_VERSION"
 else
   step cuda 120 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-  step wheels 300 "$PYTHON" scripts/gpu_manifest.py check "$WHEELS" --python "$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+  step wheels 300 "$PYTHON" scripts/gpu_manifest.py check "$WHEELS" --python "$PY_VERSION"
+fi
+
+if passed wheels && { [ "$DRY" = 1 ] || passed cuda; }; then
   step machine 120 "$PYTHON" scripts/gpu_manifest.py machine "$WHEELS"
-  if [ "$(cat "$PARTS/cuda.rc")" = 0 ] && [ "$(cat "$PARTS/wheels.rc")" = 0 ]; then
-    step venv 300 "$PYTHON" -m venv --system-site-packages "$VENV"
-    step install 600 "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
-    step versions 120 "$VENV/bin/python" -c "import torch, trl, transformers, peft, accelerate, datasets, liger_kernel, dppo_trl; print(dict(torch=torch.__version__, trl=trl.__version__, transformers=transformers.__version__, peft=peft.__version__, dppo_trl=dppo_trl.__version__, gpu=torch.cuda.get_device_name()))"
-    # shellcheck disable=SC2086
-    step gpu_tests 900 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$PARTS/junit.xml" $GPU_TEST_FILES
-    # The benchmark's helpers (`dppo_dev`, not in the wheel) from this checkout; scripts/setup.sh installs them instead.
-    step topk_memory 900 env PYTHONPATH="$PWD" "$VENV/bin/python" benchmarks/topk_memory.py "${TOPK_ARGS[@]}"
-    step gpu_train 1800 "$VENV/bin/python" benchmarks/gpu_train.py
-  else
-    echo "=== skipping the checks: no CUDA device or no valid wheel folder (see above)" | tee -a "$LOG"
+  # --no-deps: the folder holds every wheel needed (the manifest says so) and the machine provides the rest.
+  step install 300 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
+  CUDA_FLAG=()
+  [ "$DRY" = 1 ] || CUDA_FLAG=(--cuda)
+  step imports 300 "${RUN[@]}" -P scripts/gpu_manifest.py imports "$WHEELS" "$SITE" "${CUDA_FLAG[@]}"
+  if [ "$DRY" = 1 ]; then
+    # Every step below runs even if one above failed: each checks its own class of defect.
+    # With no file selected pytest would collect the whole suite (vLLM's tests included): not run then.
+    if passed gpu_tests_select; then
+      step gpu_tests_collect 300 "${RUN[@]}" -P -m pytest --collect-only -q -p no:cacheprovider -m gpu "${GPU_TEST_FILES[@]}"
+      for file in "${GPU_TEST_FILES[@]}"; do contains gpu_tests_collect "$file::"; done
+    fi
+    step topk_memory_cli 120 "${RUN[@]}" benchmarks/topk_memory.py --help
+    contains topk_memory_cli --device --dtype --vocab --variants
+    step gpu_train_cli 120 "${RUN[@]}" benchmarks/gpu_train.py --help
+    contains gpu_train_cli --size --liger --divergences
+    # A run that fails (here: a divergence DPPOConfig rejects) must make the benchmark exit non-zero.
+    step gpu_train_fails 300 "${RUN[@]}" benchmarks/gpu_train.py --size tiny --device cpu --liger off --steps 1 \
+      --divergences no_such_divergence
+    if passed gpu_train_fails; then
+      fail gpu_train_fails "benchmarks/gpu_train.py exited 0 although its run failed"
+    else
+      echo 0 >"$PARTS/gpu_train_fails.rc"
+      contains gpu_train_fails '"ok": false'
+    fi
+  elif passed install && passed imports && passed gpu_tests_select; then
+    step gpu_tests 900 "${RUN[@]}" -P -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$PARTS/junit.xml" "${GPU_TEST_FILES[@]}"
+    step topk_memory 900 "${RUN[@]}" benchmarks/topk_memory.py "${TOPK_ARGS[@]}"
+    step gpu_train 1800 "${RUN[@]}" benchmarks/gpu_train.py
   fi
+else
+  echo "=== skipping the steps that need the installed wheels: no CUDA device or no valid wheel folder (see above)" | tee -a "$LOG"
 fi
 
 # One JSON object: each step's exit code, seconds and output (parsed when it is JSON).

@@ -1,19 +1,30 @@
 """The wheel folder of the GPU checks: write its manifest, check it, check the machine it is installed on.
 
+    python scripts/gpu_manifest.py wheel DIR                   # the dppo-trl wheel of this checkout, into DIR
     python scripts/gpu_manifest.py write DIR --python 3.12     # after scripts/gpu_wheels.sh downloaded into DIR
     python scripts/gpu_manifest.py check DIR [--python 3.12]   # every wheel present, sizes and sha256 as written
     python scripts/gpu_manifest.py machine DIR                 # what the wheels expect the machine to hold
+    python scripts/gpu_manifest.py imports DIR SITE [--cuda]   # after `pip install --target SITE`: who imports from where
 
 `write` records every wheel (name, version, bytes, sha256), a `requirements.txt` pinning each of them (pip then
 installs exactly these), and, for each requirement of these wheels that no wheel in DIR provides (torch, triton,
 numpy, pandas, pyarrow, ...), the version specifiers the wheels ask for: `machine` checks those against what the
 interpreter running it has installed. Exit codes: 0 fine, 1 a check failed, 2 no wheel folder or manifest.
 Standard library only, so it runs on a bare machine before anything is installed.
+
+`wheel` writes the pure-Python dppo-trl wheel from setup.cfg and the package sources with the standard library, not
+with a build backend: a bare Python (no setuptools, or a setuptools without `bdist_wheel`, as on the lent GPU image
+and pyenv's 3.11) builds it without network, so the GPU check's dry run can build it too. It holds what setuptools'
+wheel of this checkout holds (package files, version, requirements, extras); tests/system/test_gpu_check.py compares
+the two.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import base64
+import configparser
 import hashlib
 import json
 import os
@@ -183,9 +194,149 @@ def machine(folder: str) -> int:
     return 1 if problems else 0
 
 
+def _source_version(root: str, attr: str) -> str:
+    """The string literal behind setup.cfg's `version = attr: pkg.__version__`, read without importing the package."""
+    module, _, name = attr.rpartition(".")
+    path = os.path.join(root, *module.split("."), "__init__.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise SystemExit(f"gpu_manifest: {path} has no literal `{name} = ...`")
+
+
+def _lines(value: str) -> list[str]:
+    return [line.strip() for line in value.splitlines() if line.strip()]
+
+
+# The modules the GPU checks use, by distribution: each one whose wheel is in the folder must import from the
+# installed wheels; torch must come from the machine. liger-kernel is the optional `liger` extra.
+CHECKED_MODULES = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "trl": "trl",
+    "peft": "peft",
+    "accelerate": "accelerate",
+    "datasets": "datasets",
+    "liger_kernel": "liger-kernel",
+    "dppo_trl": "dppo-trl",
+}
+OPTIONAL_MODULES = {"liger_kernel"}
+
+
+def imports(folder: str, site: str, cuda: bool) -> int:
+    """Import the checked modules (with SITE on PYTHONPATH) and report where each came from; 1 on any mismatch."""
+    import importlib
+
+    manifest = load(folder)
+    if manifest is None:
+        return 2
+    site = os.path.realpath(site)
+    from_wheels = {r["name"] for r in manifest["wheels"]}
+    report, problems = {}, []
+    for module, distribution in CHECKED_MODULES.items():
+        try:
+            loaded = importlib.import_module(module)
+        except Exception as error:  # report every module, not just the first that fails
+            if module not in OPTIONAL_MODULES or distribution in from_wheels:
+                problems.append(f"{module} does not import: {type(error).__name__}: {error}")
+            continue
+        where = os.path.realpath(loaded.__file__)
+        in_site = where.startswith(site + os.sep)
+        report[module] = {"version": getattr(loaded, "__version__", None), "from": "wheels" if in_site else "machine"}
+        report[module]["file"] = where
+        if distribution in from_wheels and not in_site:
+            problems.append(f"{module} imports from {where}, not from its wheel installed in {site}")
+        if distribution not in from_wheels and in_site:
+            problems.append(f"{module} imports from {site}, but the wheel folder has no {distribution}")
+    if cuda and "torch" in report:
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            report["torch"]["cuda_device"] = torch.cuda.get_device_name()
+        else:
+            problems.append("torch sees no CUDA device")
+    for problem in problems:
+        print(f"gpu_manifest: imports: {problem}", file=sys.stderr)
+    print(json.dumps(report, indent=1))
+    return 1 if problems else 0
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write_member(wheel: zipfile.ZipFile, arcname: str, data: bytes) -> None:
+    # A fixed timestamp and mode: the same sources give the same bytes, so the manifest's sha256 is reproducible.
+    info = zipfile.ZipInfo(arcname, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = 0o644 << 16
+    wheel.writestr(info, data)
+
+
+def build_wheel(root: str, folder: str) -> str:
+    """Write the pure-Python wheel of the package described by ROOT/setup.cfg into FOLDER; returns its path."""
+    config = configparser.ConfigParser(interpolation=None)
+    if not config.read(os.path.join(root, "setup.cfg")):
+        raise SystemExit(f"gpu_manifest: no setup.cfg in {root!r}")
+    meta, options = config["metadata"], config["options"]
+    name = meta["name"]
+    version = meta["version"]
+    if version.startswith("attr:"):
+        version = _source_version(root, version.split(":", 1)[1].strip())
+    # setup.cfg's `packages = find:` with `include = pkg, pkg.*`: every folder of pkg holding an __init__.py.
+    includes = [p.strip() for p in config["options.packages.find"]["include"].split(",") if p.strip()]
+    tops = sorted({p.split(".")[0] for p in includes})
+    package_data = (
+        {k: v.split() for k, v in config["options.package_data"].items()}
+        if config.has_section("options.package_data")
+        else {}
+    )
+    files = []
+    for top in tops:
+        for here, dirs, names in os.walk(os.path.join(root, top)):
+            dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(here, d, "__init__.py")))
+            package = os.path.relpath(here, root).replace(os.sep, ".")
+            keep = [n for n in names if n.endswith(".py") or n in package_data.get(package, [])]
+            files += [os.path.relpath(os.path.join(here, n), root) for n in sorted(keep)]
+    metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", f"Summary: {meta['description']}"]
+    metadata.append(f"Requires-Python: {options['python_requires']}")
+    metadata += [f"Requires-Dist: {r}" for r in _lines(options.get("install_requires", ""))]
+    if config.has_section("options.extras_require"):
+        for extra, requirements in config["options.extras_require"].items():
+            metadata.append(f"Provides-Extra: {extra}")
+            metadata += [f'Requires-Dist: {r} ; extra == "{extra}"' for r in _lines(requirements)]
+    dist = f"{canonical(name).replace('-', '_')}-{version}"
+    generated = {
+        f"{dist}.dist-info/METADATA": "\n".join(metadata) + "\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: scripts/gpu_manifest.py\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+        f"{dist}.dist-info/top_level.txt": "".join(f"{t}\n" for t in tops),
+    }
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{dist}-py3-none-any.whl")
+    record = []
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for arcname, data in [
+            *((f.replace(os.sep, "/"), _read(os.path.join(root, f))) for f in files),
+            *((arcname, text.encode("utf-8")) for arcname, text in generated.items()),
+        ]:
+            _write_member(wheel, arcname, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{arcname},sha256={digest},{len(data)}\n")
+        record.append(f"{dist}.dist-info/RECORD,,\n")
+        _write_member(wheel, f"{dist}.dist-info/RECORD", "".join(record).encode("utf-8"))
+    print(f"gpu_manifest: built {path} ({len(files)} package files)")
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("wheel", help="write the dppo-trl wheel of this checkout into DIR (standard library only)")
+    b.add_argument("folder")
+    b.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     w = sub.add_parser("write", help="write manifest.json and requirements.txt for the wheels in DIR")
     w.add_argument("folder")
     w.add_argument("--python", required=True, help="Python version the wheels are for, e.g. 3.12")
@@ -195,11 +346,20 @@ def main(argv=None) -> int:
     c.add_argument("--python", help="fail unless the wheels are for this Python version")
     m = sub.add_parser("machine", help="check that this interpreter has what the wheels expect")
     m.add_argument("folder")
+    i = sub.add_parser("imports", help="import the checked modules and say whether each came from SITE")
+    i.add_argument("folder")
+    i.add_argument("site")
+    i.add_argument("--cuda", action="store_true", help="also require a CUDA device")
     args = parser.parse_args(argv)
+    if args.command == "wheel":
+        build_wheel(args.root, args.folder)
+        return 0
     if args.command == "write":
         return write(args.folder, args.python, args.limit_mib)
     if args.command == "check":
         return check(args.folder, args.python)
+    if args.command == "imports":
+        return imports(args.folder, args.site, args.cuda)
     return machine(args.folder)
 
 

@@ -5,17 +5,22 @@
 # (scripts/gpu_manifest.py) and fails if DIR exceeds 64 MiB (what travels to the GPU machine).
 #
 #   scripts/gpu_wheels.sh [DIR] [--python 3.12]      # run where pip reaches PyPI; PYTHON picks the pip to use
+#   scripts/gpu_wheels.sh --no-download DIR          # only the dppo-trl wheel and the manifest (no network)
 #
-# Not verified on a GPU: written and dry-run checked (tests/system/test_gpu_check.py) on a CPU-only machine.
+# The dppo-trl wheel is written by `scripts/gpu_manifest.py wheel` with the standard library, so any Python 3 builds
+# it (a bare one has no setuptools, or one without `bdist_wheel`); `scripts/gpu_check.sh --dry-run` runs the
+# `--no-download` form with its PYTHON. The downloads need PyPI and a pip; nothing is built or fetched for the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DIR=.gpu_wheels
 TARGET_PY=3.12  # the lent H100/H200 image's python3 (see docs/recipes.md, "GPU checks")
+DOWNLOAD=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) TARGET_PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --no-download) DOWNLOAD=0; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) DIR="$1"; shift ;;
   esac
 done
@@ -26,19 +31,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl "$DIR/manifest.json" "$DIR/requirements.txt"  # one version of each package, nothing stale
 
-platforms=()
-for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
-  platforms+=(--platform "${tag}_x86_64")
-done
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" \
-  --python-version "$TARGET_PY" --implementation cp --abi "$ABI" --abi abi3 --abi none \
-  -d "$DIR" -r scripts/gpu_wheels.txt
-# The package itself (pure Python), built from this checkout without fetching build tools; the build's by-products
-# are removed unless they were there before (an editable install keeps its egg-info).
-leftovers=()
-for path in build dppo_trl.egg-info; do [ -e "$path" ] || leftovers+=("$path"); done
-"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" .
-[ ${#leftovers[@]} -eq 0 ] || rm -rf "${leftovers[@]}"
+if [ "$DOWNLOAD" = 1 ]; then
+  platforms=()
+  for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
+    platforms+=(--platform "${tag}_x86_64")
+  done
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" \
+    --python-version "$TARGET_PY" --implementation cp --abi "$ABI" --abi abi3 --abi none \
+    -d "$DIR" -r scripts/gpu_wheels.txt
+fi
+# The package itself (pure Python), from this checkout, by the standard library: no build backend to install or fetch.
+"$PYTHON" scripts/gpu_manifest.py wheel "$DIR"
 
 "$PYTHON" scripts/gpu_manifest.py write "$DIR" --python "$TARGET_PY"
 du -sh "$DIR"

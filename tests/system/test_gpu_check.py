@@ -1,12 +1,17 @@
 """The one-command GPU check (scripts/gpu_check.sh, scripts/gpu_wheels.sh, scripts/gpu_manifest.py), on CPU.
 
-No GPU and no PyPI here: the dry run checks every command the real run would run, and reports a missing wheel folder
-clearly; the manifest logic runs on a wheel written by the test. The real run is unverified until run on a GPU.
+No GPU and no PyPI here. The dry run installs the dppo-trl wheel the way the real run installs every wheel (pip
+--target, PYTHONPATH, PYTHON a virtual environment holding torch, as the lent GPU image's python3 is) and checks every
+command the real run would run; a copy of this checkout with the defects issue 32 found put back shows the dry run
+failing on each class. The wheel build runs from a bare Python and matches setuptools' wheel. The dependencies'
+wheels (PyPI) and the real run (a GPU) are not exercised here.
 """
 
+import ast
 import configparser
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -90,42 +95,270 @@ def test_two_versions_of_a_package_are_refused(tmp_path, capsys):
     assert "two versions of ['trl']" in capsys.readouterr().err
 
 
+def _dry_run(root: Path, out: Path, python: str, wheels: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`gpu_check.sh --dry-run` as on the GPU machine: no PYTHONPATH, the given PYTHON and wheel folder."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=python, GPU_WHEELS_DIR=str(wheels))
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return proc, json.loads((out / "gpu_check.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """`gpu_check.sh --dry-run` with no wheel folder: every command check runs, the wheels are reported missing."""
+    """The dry run with no wheel folder: reported clearly, the steps that need the installed wheels skipped."""
     out = tmp_path_factory.mktemp("gpu_check")
-    env = dict(os.environ, PYTHON=sys.executable, GPU_WHEELS_DIR=str(out / "no-wheels-here"))
+    return _dry_run(ROOT, out / "result", sys.executable, out / "no-wheels-here") + (out / "result",)
+
+
+@pytest.fixture(scope="module")
+def wheel_folder(tmp_path_factory) -> Path:
+    """What `scripts/gpu_wheels.sh` builds without PyPI: the dppo-trl wheel of this checkout and its manifest.
+
+    The dependencies' wheels need PyPI; here they come from this environment, as the machine's do on the GPU box.
+    """
+    folder = tmp_path_factory.mktemp("wheels")
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
     proc = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run", str(out / "result")],
+        ["bash", "scripts/gpu_wheels.sh", "--no-download", str(folder), "--python", python],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return folder
+
+
+@pytest.fixture(scope="module")
+def venv_python() -> str:
+    """This test's interpreter, which must be a virtual environment holding torch, as the lent GPU image's is."""
+    assert sys.prefix != sys.base_prefix, "run the suite from a virtual environment (scripts/setup.sh makes .venv)"
+    return sys.executable
+
+
+@pytest.fixture(scope="module")
+def derived_venv_python(tmp_path_factory, venv_python) -> str:
+    """What the GPU check used before issue 32: `venv --system-site-packages` made from a venv Python.
+
+    Its "system" packages are the base interpreter's, not the venv's, so it has no torch; its setuptools (if any)
+    is the base interpreter's or ensurepip's. It is also the bare Python of the wheel-build checks.
+    """
+    folder = tmp_path_factory.mktemp("derived") / "venv"
+    subprocess.run([venv_python, "-m", "venv", "--system-site-packages", str(folder)], check=True, timeout=300)
+    return str(folder / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory, wheel_folder, venv_python):
+    out = tmp_path_factory.mktemp("gpu_check_good") / "result"
+    return _dry_run(ROOT, out, venv_python, wheel_folder)
+
+
+def test_dry_run_installs_and_checks_like_the_real_run(good_run, wheel_folder):
+    proc, report = good_run
+    steps = report["steps"]
+    assert report["dry_run"] is True
+    expected = {"gpu_tests_select", "wheels", "scripts_parse", "python_compiles", "wheel_build", "machine", "install"}
+    expected |= {"imports", "gpu_tests_collect", "topk_memory_cli", "gpu_train_cli", "gpu_train_fails"}
+    assert set(steps) == expected
+    for name, result in steps.items():
+        assert result["rc"] == 0, (name, result)
+    assert proc.returncode == 0 and report["ok"] is True, proc.stderr[-3000:]
+    # Installed with --target and run with PYTHONPATH: the package from the wheel, torch and TRL from the machine.
+    imports = steps["imports"]["output"]
+    assert imports["dppo_trl"]["from"] == "wheels" and imports["torch"]["from"] == "machine"
+    assert imports["trl"]["version"] and imports["transformers"]["version"]
+    collected = steps["gpu_tests_collect"]["output"]
+    assert any("tests collected" in line for line in collected), collected
+    assert steps["gpu_train_fails"]["output"]["ok"] is False
+
+
+def _gpu_marked_test_files() -> list[str]:
+    """Test files using `pytest.mark.gpu` anywhere in their code (decorator, pytestmark, pytest.param marks)."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(
+            isinstance(node, ast.Attribute)
+            and node.attr == "gpu"
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark"
+            for node in ast.walk(tree)
+        ):
+            found.append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_selected_test_files_are_exactly_the_gpu_marked_ones(good_run):
+    _, report = good_run
+    selected = sorted(report["steps"]["gpu_tests_select"]["output"])
+    assert selected and selected == _gpu_marked_test_files()
+    # Each selected file contributes at least one collected gpu test (checked by the dry run itself too).
+    collected = "\n".join(report["steps"]["gpu_tests_collect"]["output"])
+    assert all(f"{file}::" in collected for file in selected), collected
+
+
+def test_dry_run_reports_a_missing_wheel_folder(dry_run):
+    proc, report, result = dry_run
+    assert proc.returncode == 1
+    assert report["ok"] is False and report["steps"]["wheels"]["rc"] == 2
+    assert not {"install", "imports", "gpu_tests_collect"} & set(report["steps"])
+    log = (result / "gpu_check.log").read_text()
+    assert "no wheel folder" in log and "build it with `scripts/gpu_wheels.sh" in log
+    assert "skipping the steps that need the installed wheels" in log
+
+
+def test_real_run_without_cuda_stops_before_installing(tmp_path, wheel_folder, venv_python):
+    """The real run's plumbing on CPU: the CUDA check fails, nothing is installed or run, the JSON says why."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHON=venv_python, GPU_WHEELS_DIR=str(wheel_folder))
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 1 and report["dry_run"] is False and report["ok"] is False
+    steps = report["steps"]
+    assert steps["cuda"]["rc"] != 0 and steps["gpu_tests_select"]["rc"] == 0 and steps["wheels"]["rc"] == 0
+    assert not {"machine", "install", "imports", "gpu_tests", "topk_memory", "gpu_train"} & set(steps)
+    assert "no CUDA device" in (tmp_path / "gpu_check.log").read_text()
+
+
+def _replace(path: Path, old: str, new: str) -> None:
+    text = path.read_text(encoding="utf-8")
+    assert old in text, f"{path}: the defect this test re-creates is no longer spelled {old!r}; update the test"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def defects_run(tmp_path_factory, wheel_folder, derived_venv_python):
+    """The dry run of a copy of this checkout with the defects issue 32 found put back, with the PYTHON the old check
+    ran everything with (a venv derived from a venv: no torch, no setuptools `bdist_wheel`).
+
+    Put back: no test file carries the `gpu` marker (as when the check looked for files that had moved); the
+    dppo-trl wheel is built with `pip wheel --no-build-isolation` (the old scripts/gpu_wheels.sh); gpu_train.py exits
+    0 whatever its runs did. Each step checks one class, so one run shows every class caught.
+    """
+    copy = tmp_path_factory.mktemp("defects") / "repo"
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", "build", "outputs", "runs", ".*cache"
+    )
+    shutil.copytree(ROOT, copy, ignore=ignore)
+    for file in _gpu_marked_test_files():
+        _replace(copy / file, "@pytest.mark.gpu\n", "")
+    _replace(
+        copy / "scripts" / "gpu_wheels.sh",
+        '"$PYTHON" scripts/gpu_manifest.py wheel "$DIR"',
+        '"$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" .',
+    )
+    _replace(copy / "benchmarks" / "gpu_train.py", "return 0 if ok else 1", "return 0")
+    out = tmp_path_factory.mktemp("gpu_check_defects") / "result"
+    proc, report = _dry_run(copy, out, derived_venv_python, wheel_folder)
+    return proc, report, (out / "gpu_check.log").read_text()
+
+
+def test_dry_run_fails_on_an_empty_gpu_test_selection(defects_run):
+    proc, report, log = defects_run
+    assert proc.returncode == 1 and report["ok"] is False
+    assert report["steps"]["gpu_tests_select"]["rc"] == 1
+    assert "no test file under tests/ holds a gpu-marked test" in log
+    assert "gpu_tests_collect" not in report["steps"]  # an empty list would collect the whole suite
+
+
+def test_dry_run_fails_when_python_does_not_see_the_machines_torch(defects_run):
+    _, report, log = defects_run
+    assert report["steps"]["install"]["rc"] == 0  # the wheels install; what they run on lacks torch
+    assert report["steps"]["imports"]["rc"] == 1
+    assert "imports: torch does not import" in log
+
+
+def test_dry_run_fails_when_a_failed_benchmark_exits_0(defects_run):
+    _, report, log = defects_run
+    assert report["steps"]["gpu_train_fails"]["rc"] == 1
+    assert "benchmarks/gpu_train.py exited 0 although its run failed" in log
+
+
+def test_dry_run_fails_when_the_wheel_build_needs_setuptools(defects_run, derived_venv_python):
+    can_build = subprocess.run(
+        [derived_venv_python, "-c", "import setuptools.command.bdist_wheel"], capture_output=True, timeout=120
+    )
+    if can_build.returncode == 0:
+        pytest.skip("this base interpreter's setuptools has bdist_wheel, so the old build does not fail here")
+    _, report, log = defects_run
+    assert report["steps"]["wheel_build"]["rc"] != 0
+
+
+def _record(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/RECORD"))
+        return sorted(archive.read(name).decode().splitlines())
+
+
+def test_wheel_build_works_from_a_bare_python(tmp_path, derived_venv_python, wheel_folder):
+    """scripts/gpu_wheels.sh's build from a Python without torch, setuptools' bdist_wheel or network: the same wheel
+    as this environment builds, and pip installs it with --target."""
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHON": derived_venv_python}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_wheels.sh", "--no-download", str(tmp_path / "w"), "--python", python],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (built,) = (tmp_path / "w").glob("dppo_trl-*.whl")
+    (reference,) = wheel_folder.glob("dppo_trl-*.whl")
+    assert built.name == reference.name and _record(built) == _record(reference)
+    subprocess.run(
+        [derived_venv_python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(tmp_path / "t")]
+        + [str(built)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert (tmp_path / "t" / "dppo_trl" / "py.typed").is_file()
+
+
+def _wheel_summary(wheel: Path) -> dict:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        meta = gpu_manifest._metadata(str(wheel))
+    return {
+        "package_files": sorted(n for n in names if not n.split("/")[0].endswith(".dist-info")),
+        "name": meta["Name"],
+        "version": meta["Version"],
+        "requires_python": meta["Requires-Python"],
+        "requires": sorted(Requirement(r).__str__() for r in meta.get_all("Requires-Dist")),
+        "extras": sorted(meta.get_all("Provides-Extra")),
+    }
+
+
+def test_standard_library_wheel_matches_setuptools_wheel(tmp_path, wheel_folder):
+    """The GPU check's dppo-trl wheel holds what setuptools' wheel of this checkout holds (files, metadata)."""
+    source = tmp_path / "src"
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", "build", "tests", "examples", "benchmarks"
+    )
+    shutil.copytree(ROOT, source, ignore=ignore)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "st")]
+        + [str(source)],
+        check=True,
+        capture_output=True,
         timeout=600,
     )
-    return proc, out / "result"
-
-
-def test_dry_run_checks_every_command(dry_run):
-    proc, result = dry_run
-    report = json.loads((result / "gpu_check.json").read_text())
-    steps = report["steps"]
-    assert report["dry_run"] is True
-    expected = {"scripts_parse", "python_compiles", "gpu_tests_collect", "topk_memory_cli", "gpu_train_cli"}
-    assert expected <= set(steps)
-    for name in expected | {"manifest_cli"}:
-        assert steps[name]["rc"] == 0, (name, steps[name])
-    collected = steps["gpu_tests_collect"]["output"]
-    assert any("tests collected" in line for line in collected), collected
-
-
-def test_dry_run_reports_a_missing_wheel_folder(dry_run):
-    proc, result = dry_run
-    assert proc.returncode == 1
-    report = json.loads((result / "gpu_check.json").read_text())
-    assert report["ok"] is False and report["steps"]["wheels"]["rc"] == 2
-    log = (result / "gpu_check.log").read_text()
-    assert "no wheel folder" in log and "build it with `scripts/gpu_wheels.sh" in log
+    (setuptools_wheel,) = (tmp_path / "st").glob("dppo_trl-*.whl")
+    (ours,) = wheel_folder.glob("dppo_trl-*.whl")
+    assert _wheel_summary(ours) == _wheel_summary(setuptools_wheel)
 
 
 def test_usage_without_out_dir():

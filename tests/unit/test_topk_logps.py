@@ -64,6 +64,9 @@ def make_ids(hidden, weight, bias, transform, seed=0):
     """`[M, 1 + K]` ids: sampled id (inside or outside the top-K), then the top-K, with duplicates and padding."""
     g = torch.Generator().manual_seed(seed)
     _, topk = naive_topk_logps(hidden.detach(), weight.detach(), K, bias=None if bias is None else bias.detach())
+    # The random draws come from a CPU generator (the same ids on every device), so the ids are assembled on the CPU
+    # and moved to the inputs' device at the end: CUDA top-K ids and CPU draws cannot meet in one torch.where.
+    topk = topk.cpu()
     sampled = torch.randint(0, V, (M,), generator=g)
     inside = torch.rand(M, generator=g) < 0.5
     sampled = torch.where(inside, topk[:, 3], sampled)  # sampled id also in the top-K: a duplicate
@@ -72,7 +75,7 @@ def make_ids(hidden, weight, bias, transform, seed=0):
     ids[7, 6:] = -1  # padded top-K slots
     ids[9, 1:] = -1  # no top-K at all
     ids[11] = -1  # a padding row
-    return ids
+    return ids.to(hidden.device)
 
 
 def assert_logps_close(actual, expected, ids, atol=ATOL):
@@ -391,7 +394,7 @@ def test_cuda_bf16_matches_float32_reference():
     hidden, weight, b = make_inputs(torch.bfloat16, bias=True, requires_grad=False)
     hidden, weight, b = (x.cuda().requires_grad_() for x in (hidden, weight, b))
     transform = TRANSFORMS["scale_softcap"]
-    ids = make_ids(hidden, weight, b, transform).cuda()
+    ids = make_ids(hidden, weight, b, transform)
     out = fused_linear_logps_at_ids(hidden, weight, ids, bias=b, transform=transform, token_chunk=16, vocab_tile=64)
     ref = naive_logps_at_ids(hidden, weight, ids, bias=b, transform=transform)
     assert_logps_close(out, ref, ids, atol=1e-4)
