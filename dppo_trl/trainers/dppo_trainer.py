@@ -165,9 +165,11 @@ class DPPOTrainer(GRPOTrainer):
         self._has_rollout_func = params.get("rollout_func") is not None  # μ then comes from the user's engine
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
-        # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
-        # client with a file-based weight sync when the trainer's device is the CPU), then restored.
-        with trainer_construction_patches(config.use_vllm, config.vllm_mode, EngineOptions.from_config(config)):
+        # TRL's vLLM symbols are patched only while the parent builds the engine/client, then restored: CPU engine
+        # defaults and the file-based weight sync on the CPU only; the API-key header on any device (construction.py).
+        with trainer_construction_patches(
+            config.use_vllm, config.vllm_mode, EngineOptions.from_config(config), device=config.device
+        ):
             super().__init__(*bound.args[1:], **bound.kwargs)
         # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
         # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
