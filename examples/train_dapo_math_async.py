@@ -133,7 +133,7 @@ def evaluation_callback(trainer, script_args: AsyncScriptArguments, args: AsyncD
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     parser = TrlParser((AsyncScriptArguments, AsyncDPPOConfig))
     argv = sys.argv[1:] if argv is None else argv
     explicit = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("--")}
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
             args=training_args,
             train_dataset=dataset,
             processing_class=load_tokenizer(script_args.model_name_or_path),
+            callbacks=callbacks,
         )
         evaluation = evaluation_callback(trainer, script_args, training_args)
         if evaluation is not None:
