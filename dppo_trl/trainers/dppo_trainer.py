@@ -43,9 +43,9 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.backends.cpu.construction import trainer_construction_patches
 from dppo_trl.backends.cpu.engine import EngineOptions
-from dppo_trl.backends.cpu.http import bound_server_requests
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
+from dppo_trl.backends.http import bound_server_requests
 from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
 from dppo_trl.core.metrics import observer_record
