@@ -174,7 +174,9 @@ def run_worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     # DPPOTrainer sets up vLLM's CPU runtime itself; GRPOTrainer gets the same engine settings and weight sync here
     # (both steps do nothing off vLLM's CPU platform).
-    with trainer_construction_patches(config.use_vllm, config.vllm_mode, EngineOptions.from_config(config)):
+    with trainer_construction_patches(
+        config.use_vllm, config.vllm_mode, EngineOptions.from_config(config), device=config.device
+    ):
         trainer = trainer_cls(
             model=args.model_dir,
             reward_funcs=ascii_reward,

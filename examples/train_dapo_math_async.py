@@ -10,6 +10,10 @@ With no arguments it runs a CPU-sized version offline: it starts `python -m dppo
 tiny Qwen3 on a free port, trains it on the bundled tiny math set, stops the server, and prints one summary line
 (reward first/last, staleness, mask rates). A few minutes on 2 cores.
 
+Preemption: with `--enable_jit_checkpoint true`, SIGTERM saves a complete checkpoint, stops the server this script
+started and exits with code 143 without writing a final model; `--resume_from_checkpoint latest` (or a checkpoint
+path) continues from the newest complete checkpoint in `--output_dir` (docs/faults.md).
+
 ```bash
 python examples/train_dapo_math_async.py
 # GPU: server on its own GPUs (see examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml), trainer on the others
@@ -33,6 +37,7 @@ from trl import TrlParser
 
 from dapo_math.data import load_aime, load_dapo_math
 from dapo_math.evaluation import MathEvalCallback
+from dapo_math.preflight import resolve_resume
 from dapo_math.rewards import accuracy_reward, format_reward
 from dapo_math.server import load_tokenizer, start_cpu_server, stop_server
 from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer
@@ -128,7 +133,7 @@ def evaluation_callback(trainer, script_args: AsyncScriptArguments, args: AsyncD
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     parser = TrlParser((AsyncScriptArguments, AsyncDPPOConfig))
     argv = sys.argv[1:] if argv is None else argv
     explicit = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("--")}
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     start = script_args.start_server if script_args.start_server is not None else not torch.cuda.is_available()
+    # `latest`/`true`: the newest complete checkpoint of --output_dir; a path must be a complete checkpoint.
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     dataset = load_dapo_math(script_args.dataset_name, max_samples=script_args.max_samples)
     dataset = dataset.remove_columns([c for c in dataset.column_names if c not in ("prompt", "ground_truth")])
     server = evaluation = None
@@ -154,11 +161,14 @@ def main(argv: list[str] | None = None) -> dict:
             args=training_args,
             train_dataset=dataset,
             processing_class=load_tokenizer(script_args.model_name_or_path),
+            callbacks=callbacks,
         )
         evaluation = evaluation_callback(trainer, script_args, training_args)
         if evaluation is not None:
             trainer.add_callback(evaluation)
-        trainer.train()
+        # A SIGTERM under --enable_jit_checkpoint raises TrainingPreempted (exit 143) here, after its checkpoint:
+        # the server is stopped below and no final model is saved.
+        trainer.train(resume_from_checkpoint=resume)
         trainer.save_model(training_args.output_dir)
     finally:
         if server is not None:

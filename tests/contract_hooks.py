@@ -34,10 +34,8 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
         "_get_per_token_logps_and_entropies": KEPT,  # the final hidden states for top-K, besides the declined pass
         "_compute_loss": "grpo-2",  # only sets the per-call slot
         "get_off_policy_mask": "grpo-2",
-        "create_model_card": KEPT,
-        "_save_checkpoint": KEPT,
-        "train": KEPT,
     },
+    "HARDENING_OVERRIDDEN_METHODS": KEPT,
     "STATIC_METHODS": "grpo-2",
     "TRAINER_ATTRIBUTES": {
         "epsilon_low": "grpo-3",

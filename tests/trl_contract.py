@@ -24,6 +24,12 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
         "mask",
         "off_policy_threshold",
     ),
+}
+
+# The methods both trainers override for the hardening (dppo_trl/hardening/: staged checkpoints, preemption and
+# server-failure exits, model-card provenance), with the same parameters on GRPOTrainer and AsyncGRPOTrainer (`train`
+# and `create_model_card` are transformers'/TRL's base methods on both). Ordinary overrides calling `super()`.
+HARDENING_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
     "_save_checkpoint": ("self", "model", "trial"),
     "train": ("self",),
@@ -131,7 +137,8 @@ UTILS = ("maybe_gather_lm_head_ctx", "add_fused_lm_head", "shuffle_sequence_dict
 
 # Checkpoints (dppo_trl/hardening/checkpoints.py): transformers' `_save_checkpoint` writes every file under
 # `self._get_output_dir(trial=trial)` (which `staged_checkpoint` points at a staging folder) and rotates there;
-# GRPOTrainer's override writes its extra state through the same call.
+# GRPOTrainer's and AsyncGRPOTrainer's overrides write their extra state (AsyncGRPOTrainer: `rollout_state.json`)
+# through the same call, then call the parent's.
 TRAINER_SAVE_CHECKPOINT_FRAGMENTS = (
     "run_dir = self._get_output_dir(trial=trial)",
     "output_dir = os.path.join(run_dir, checkpoint_folder)",

@@ -1,4 +1,7 @@
-"""What DPPOTrainer's model card says about where the model and data came from, and how to run the result.
+"""What the trainers' model card says about where the model and data came from, and how to run the result.
+
+`DPPOTrainer` and `AsyncDPPOTrainer` both write their card through `write_model_card` (TRL's card, then the parts
+below, then the DPPO settings): one card, whichever parent trainer wrote TRL's part.
 
 TRL's card (`GRPOTrainer.create_model_card`) names the base model only when `_name_or_path` is not a local folder —
 otherwise it prints `[None](https://huggingface.co/None)` — and its quick start loads `model="None"` unless the run
@@ -18,10 +21,26 @@ import json
 import os
 import re
 import sys
+import textwrap
+from collections.abc import Callable
 
 from huggingface_hub import ModelCard
 
 import dppo_trl
+
+# The paper both trainers cite (TRL's card template reads `_paper` of the trainer class).
+DPPO_PAPER = {
+    "title": "Rethinking the Trust Region in LLM Reinforcement Learning",
+    "id": "2602.04879",
+    # docstyle-ignore
+    "citation": textwrap.dedent("""\
+        @article{qi2026rethinking,
+            title        = {{Rethinking the Trust Region in LLM Reinforcement Learning}},
+            author       = {Penghui Qi and Xiangxin Zhou and Zichen Liu and Tianyu Pang and Chao Du and Min Lin and Wee Sun Lee},
+            year         = 2026,
+            eprint       = {arXiv:2602.04879},
+        }"""),
+}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TRL_QUESTION = (
@@ -93,10 +112,11 @@ def vllm_version() -> str | None:
     return None
 
 
-def framework_lines(args) -> list[str]:
+def framework_lines(vllm_mode: str | None) -> list[str]:
+    """dppo-trl's version, and vLLM's with the mode it ran in (`vllm_mode` None: generation without vLLM)."""
     lines = [f"- dppo-trl: {dppo_trl.__version__}"]
-    if args.use_vllm:
-        lines.append(f"- vLLM: {vllm_version() or 'unknown'} ({args.vllm_mode} mode)")
+    if vllm_mode is not None:
+        lines.append(f"- vLLM: {vllm_version() or 'unknown'} ({vllm_mode} mode)")
     else:
         lines.append("- vLLM: not used (generation with transformers)")
     return lines
@@ -132,6 +152,7 @@ def finish_model_card(
     path: str,
     *,
     args,
+    vllm_mode: str | None,
     model_name_or_path: str | None,
     dataset_name: str | None,
     model_name: str | None,
@@ -160,9 +181,74 @@ def finish_model_card(
     snippet = quick_start(repo_id, question, chat, args.max_completion_length)
     text = re.sub(r"## Quick start\n.*?(?=## Training procedure)", lambda _: snippet, text, count=1, flags=re.S)
 
-    versions = "\n".join(framework_lines(args))
+    versions = "\n".join(framework_lines(vllm_mode))
     text = re.sub(
         r"(### Framework versions\n\n(?:- [^\n]*\n)+)", lambda m: m.group(1) + versions + "\n", text, count=1
     )
     card.text = text
     card.save(path)
+
+
+def dppo_card_section(args, trainer_rows: list[tuple[str, object]]) -> str:
+    """Markdown section with the DPPO settings (the trust-region fields both configs share, then `trainer_rows`)."""
+    from dppo_trl.trainers.config import sampling_truncation
+
+    rows = [
+        ("divergence", args.divergence),
+        ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
+        ("ratio_cap (C)", args.ratio_cap),
+        ("anchor", args.anchor),
+        ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        (
+            "truncated sampling",
+            "–"
+            if args.kept_set_size is None
+            else "top_k={}, top_p={}, min_p={}: π over the engine's kept set (N = {})".format(
+                *sampling_truncation(args), args.kept_set_size
+            ),
+        ),
+        *trainer_rows,
+    ]
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return (
+        "## DPPO configuration\n\nTrained with [dppo-trl](https://arxiv.org/abs/2602.04879) "
+        "(Divergence Proximal Policy Optimization).\n\n| setting | value |\n|---|---|\n" + table + "\n"
+    )
+
+
+def write_model_card(
+    trainer,
+    parent_create_model_card: Callable[..., None],
+    *,
+    model_name: str | None,
+    dataset_name: str | None,
+    tags: str | list[str] | None,
+    vllm_mode: str | None,
+    settings: list[tuple[str, object]],
+) -> None:
+    """The card of `trainer` (a `DPPOTrainer` or `AsyncDPPOTrainer`): its parent's `create_model_card`, passed in
+    as `parent_create_model_card`, writes TRL's card with DPPO's tags; then `finish_model_card` rewrites its
+    provenance, quick start and versions, and `dppo_card_section` (with `settings`, the trainer's own rows) is
+    appended. A local dataset path never reaches the card's metadata, only its text (by name)."""
+    args = trainer.args
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    tags += ["dppo", f"dppo-{args.divergence.replace('_', '-')}"]
+    model_name = model_name or (args.hub_model_id or os.path.normpath(args.output_dir)).split("/")[-1]
+    hub_dataset, _ = dataset_for_card(dataset_name)
+    parent_create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
+    path = os.path.join(args.output_dir, "README.md")
+    if not trainer.is_world_process_zero() or not os.path.exists(path):
+        return
+    finish_model_card(
+        path,
+        args=args,
+        vllm_mode=vllm_mode,
+        model_name_or_path=getattr(trainer.model.config, "_name_or_path", None),
+        dataset_name=dataset_name,
+        model_name=model_name,
+        hub_model_id=trainer.hub_model_id,
+        processing_class=trainer.processing_class,
+        train_dataset=trainer.train_dataset,
+    )
+    with open(path, "a", encoding="utf-8") as card:
+        card.write("\n" + dppo_card_section(args, settings))

@@ -91,6 +91,9 @@ from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, 
 from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.hardening.checkpoints import staged_checkpoint
+from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
+from dppo_trl.hardening.training import hardened_training
 from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
 from dppo_trl.trainers.config import (
@@ -301,6 +304,9 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     # Set by `AsyncGRPOTrainer.__init__`: on the main process the rollout worker (built or passed in) and its queue.
     rollout_worker: Any
     rollout_queue: Any
+    _tag_names = ["trl", "dppo", "async-grpo"]
+    _name = "AsyncDPPO"
+    _paper = DPPO_PAPER
 
     def __init__(self, model: str, reward_funcs=None, args: AsyncDPPOConfig | None = None, *pargs, **kwargs):
         if args is None:
@@ -328,6 +334,46 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Hardening, shared with DPPOTrainer (dppo_trl/hardening/)
+    # ------------------------------------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        """Parent's `train` inside the hardening both trainers share (`dppo_trl/hardening/training.py`): a SIGTERM
+        checkpoint (`enable_jit_checkpoint`) ends in `TrainingPreempted` (exit 143) instead of returning as if the
+        run had finished, and a dead vLLM server in `VLLMServerError`."""
+        bound = (
+            "A dead server is noticed at the next weight sync, or once the rollout queue runs dry (TRL's worker gives "
+            "up after its request retries); a silent one after the worker's request_timeout="
+            f"{self.args.request_timeout} s or heartbeat_stale_after_s={self.args.heartbeat_stale_after_s} s."
+        )
+        with hardened_training(self, self.args.vllm_server_base_url, bound):
+            return super().train(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        """Parent's checkpoint (with TRL's `rollout_state.json`), written under a staging name and renamed when
+        complete (`dppo_trl/hardening/checkpoints.py`)."""
+        with staged_checkpoint(self, trial):
+            super()._save_checkpoint(model, trial)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card with honest provenance and versions, plus the DPPO settings (`write_model_card`, shared
+        with DPPOTrainer)."""
+        write_model_card(
+            self,
+            super().create_model_card,
+            model_name=model_name,
+            dataset_name=dataset_name,
+            tags=tags,
+            vllm_mode="server",
+            settings=[
+                ("learning_rate", self.args.learning_rate),
+                ("num_generations", self.args.num_generations),
+                ("temperature", self.args.temperature),
+                ("max_staleness", self.args.max_staleness),
+                ("generation", "vLLM (server, asynchronous)"),
+            ],
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         """`AsyncGRPOTrainer.get_train_dataloader` of TRL 1.16 with two arguments changed: the queue dataset reads the

@@ -34,8 +34,6 @@ import contextlib
 import inspect
 import logging
 import math
-import os
-import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,17 +43,17 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.backends.cpu.construction import trainer_construction_patches
 from dppo_trl.backends.cpu.engine import EngineOptions
-from dppo_trl.backends.cpu.http import bound_server_requests
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
+from dppo_trl.backends.http import bound_server_requests
 from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
 from dppo_trl.core.metrics import observer_record
-from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
+from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
 from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
-from dppo_trl.hardening.model_card import dataset_for_card, finish_model_card
-from dppo_trl.hardening.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
+from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
+from dppo_trl.hardening.training import hardened_training
 from dppo_trl.kernels.topk_logps import (
     LogitTransform,
     chunked_topk_logps,
@@ -135,18 +133,7 @@ class DPPOTrainer(GRPOTrainer):
     args: DPPOConfig
     _tag_names = ["trl", "dppo", "grpo"]
     _name = "DPPO"
-    _paper = {
-        "title": "Rethinking the Trust Region in LLM Reinforcement Learning",
-        "id": "2602.04879",
-        # docstyle-ignore
-        "citation": textwrap.dedent("""\
-            @article{qi2026rethinking,
-                title        = {{Rethinking the Trust Region in LLM Reinforcement Learning}},
-                author       = {Penghui Qi and Xiangxin Zhou and Zichen Liu and Tianyu Pang and Chao Du and Min Lin and Wee Sun Lee},
-                year         = 2026,
-                eprint       = {arXiv:2602.04879},
-            }"""),
-    }
+    _paper = DPPO_PAPER
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
@@ -165,9 +152,11 @@ class DPPOTrainer(GRPOTrainer):
         self._has_rollout_func = params.get("rollout_func") is not None  # μ then comes from the user's engine
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
-        # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
-        # client with a file-based weight sync when the trainer's device is the CPU), then restored.
-        with trainer_construction_patches(config.use_vllm, config.vllm_mode, EngineOptions.from_config(config)):
+        # TRL's vLLM symbols are patched only while the parent builds the engine/client, then restored: CPU engine
+        # defaults and the file-based weight sync on the CPU only; the API-key header on any device (construction.py).
+        with trainer_construction_patches(
+            config.use_vllm, config.vllm_mode, EngineOptions.from_config(config), device=config.device
+        ):
             super().__init__(*bound.args[1:], **bound.kwargs)
         # After GRPOTrainer's own checks (its PEFT-on-lm_head and Liger-config errors come first, as with TRL) and
         # before `train()`, where transformers applies the Liger kernels (patching modules process-wide).
@@ -177,7 +166,6 @@ class DPPOTrainer(GRPOTrainer):
             if self.args.vllm_mode == "server" and self.accelerator.is_main_process:
                 bound_server_requests(self.vllm_generation.vllm_client, self.args.vllm_server_request_timeout)
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
-        self._jit_checkpoints = record_jit_checkpoints(self)  # SIGTERM checkpoints, to report a preempted run
 
         self.trust_region_spec = self.args.trust_region_spec()
         # Seam 3 (module docstring): the per-call slot the parent's seams read; `None` outside a DPPO call.
@@ -381,65 +369,42 @@ class DPPOTrainer(GRPOTrainer):
     get_off_policy_mask = _StaticOnClassBoundOnInstance(GRPOTrainer.get_off_policy_mask, "_off_policy_mask")
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card with honest provenance and versions (`dppo_trl/hardening/model_card.py`), plus the DPPO settings."""
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        tags += ["dppo", f"dppo-{self.args.divergence.replace('_', '-')}"]
-        model_name = model_name or (self.args.hub_model_id or os.path.normpath(self.args.output_dir)).split("/")[-1]
-        hub_dataset, _ = dataset_for_card(dataset_name)  # a local path never reaches the card's metadata
-        super().create_model_card(model_name=model_name, dataset_name=hub_dataset, tags=tags)
-        path = os.path.join(self.args.output_dir, "README.md")
-        if self.is_world_process_zero() and os.path.exists(path):
-            finish_model_card(
-                path,
-                args=self.args,
-                model_name_or_path=getattr(self.model.config, "_name_or_path", None),
-                dataset_name=dataset_name,
-                model_name=model_name,
-                hub_model_id=self.hub_model_id,
-                processing_class=self.processing_class,
-                train_dataset=self.train_dataset,
-            )
-            with open(path, "a", encoding="utf-8") as card:
-                card.write("\n" + dppo_card_section(self.args))
+        """TRL's model card with honest provenance and versions, plus the DPPO settings (`write_model_card`, shared
+        with AsyncDPPOTrainer)."""
+        write_model_card(
+            self,
+            super().create_model_card,
+            model_name=model_name,
+            dataset_name=dataset_name,
+            tags=tags,
+            vllm_mode=self.args.vllm_mode if self.args.use_vllm else None,
+            settings=[
+                ("loss_type", self.args.loss_type),
+                ("beta", self.args.beta),
+                ("learning_rate", self.args.learning_rate),
+                ("num_generations", self.args.num_generations),
+                ("temperature", self.args.temperature),
+                ("generation", f"vLLM ({self.args.vllm_mode})" if self.args.use_vllm else "transformers"),
+            ],
+        )
 
     def train(self, *args, **kwargs):
-        """Parent's `train`; a CPU trainer with a colocated vLLM engine trains with a bounded thread count (restored
-        afterwards), and a run stopped by SIGTERM (`enable_jit_checkpoint`) raises `TrainingPreempted` (exit 143)
-        after its checkpoint instead of returning as if it had finished (`dppo_trl/hardening/preemption.py`)."""
+        """Parent's `train` inside the hardening both trainers share (`dppo_trl/hardening/training.py`): a SIGTERM
+        checkpoint (`enable_jit_checkpoint`) ends in `TrainingPreempted` (exit 143) instead of returning as if the
+        run had finished, and a dead vLLM server in `VLLMServerError`. A CPU trainer with a colocated vLLM engine
+        trains with a bounded thread count (restored afterwards)."""
         threads = None
         if self.args.use_vllm and self.args.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
             threads = cpu_colocate_threads(self.accelerator.num_processes)
-        with trainer_cpu_threads(threads), self._server_failures():
-            output = super().train(*args, **kwargs)
-        raise_if_preempted(self._jit_checkpoints, self.accelerator.is_main_process)
-        return output
-
-    @contextlib.contextmanager
-    def _server_failures(self):
-        """Server mode: a failed request to the vLLM server (killed, hung, unreachable) ends training with an error
-        naming the server, the last complete checkpoint and how to resume."""
-        if not (self.args.use_vllm and self.args.vllm_mode == "server"):
-            yield
-            return
-        import requests
-
-        try:
-            yield
-        except requests.exceptions.RequestException as error:
-            client = getattr(self.vllm_generation, "vllm_client", None)
-            url = getattr(client, "base_url", f"http://{self.args.vllm_server_host}:{self.args.vllm_server_port}")
-            latest = latest_complete_checkpoint(self._get_output_dir(trial=None))
-            resume = (
-                f"restart it and resume with `{resume_command(latest)}` (or `--resume_from_checkpoint latest` with "
-                f"examples/train_dapo_math.py)"
-                if latest
-                else "restart it and train again (no checkpoint was saved)"
+        server_url = None
+        if self.args.use_vllm and self.args.vllm_mode == "server":
+            client = getattr(self.vllm_generation, "vllm_client", None)  # built on the main process only
+            server_url = getattr(
+                client, "base_url", f"http://{self.args.vllm_server_host}:{self.args.vllm_server_port}"
             )
-            raise RuntimeError(
-                f"The vLLM server at {url} stopped answering ({type(error).__name__}: {error}). Training stopped; "
-                f"{resume}. Requests are bounded by vllm_server_request_timeout="
-                f"{self.args.vllm_server_request_timeout} s."
-            ) from error
+        bound = f"Requests are bounded by vllm_server_request_timeout={self.args.vllm_server_request_timeout} s."
+        with hardened_training(self, server_url, bound), trainer_cpu_threads(threads):
+            return super().train(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         """Parent's checkpoint, written under a staging name and renamed when complete (`dppo_trl/hardening/checkpoints.py`)."""
@@ -683,36 +648,6 @@ class DPPOTrainer(GRPOTrainer):
                 f"than the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server with `--max-logprobs {n}` "
                 f"(or -1), or set kept_set_logprobs ≤ {max_logprobs}."
             )
-
-
-def dppo_card_section(args: DPPOConfig) -> str:
-    """Markdown section with the DPPO settings, appended to TRL's model card."""
-    rows = [
-        ("divergence", args.divergence),
-        ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
-        ("ratio_cap (C)", args.ratio_cap),
-        ("anchor", args.anchor),
-        ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
-        (
-            "truncated sampling",
-            "–"
-            if args.kept_set_size is None
-            else "top_k={}, top_p={}, min_p={}: π over the engine's kept set (N = {})".format(
-                *sampling_truncation(args), args.kept_set_size
-            ),
-        ),
-        ("loss_type", args.loss_type),
-        ("beta", args.beta),
-        ("learning_rate", args.learning_rate),
-        ("num_generations", args.num_generations),
-        ("temperature", args.temperature),
-        ("generation", f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"),
-    ]
-    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    return (
-        "## DPPO configuration\n\nTrained with [dppo-trl](https://arxiv.org/abs/2602.04879) "
-        "(Divergence Proximal Policy Optimization).\n\n| setting | value |\n|---|---|\n" + table + "\n"
-    )
 
 
 def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:

@@ -344,6 +344,42 @@ def test_sample_version_reaches_the_loss_through_trls_classes(tmp_path):
     assert {f"dppo/staleness_{s}/mask_ratio" for s in range(4)} <= set(metrics)
 
 
+def test_async_model_card_carries_provenance_and_dppo_settings(tmp_path):
+    """The card `create_model_card` saves (and `push_to_hub` uploads) is written by the hardening DPPOTrainer uses:
+    DPPO's tags, citation and settings, the base model and data named honestly (no `None`, no absolute path), the
+    quick start in the model's prompt format, and the dppo-trl / vLLM versions."""
+    from pathlib import Path
+
+    import yaml
+
+    import dppo_trl
+
+    out = tmp_path / "tiny-async-dppo"
+    trainer = _recording_trainer(_Recorder())(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(out, vllm_server_base_url="http://127.0.0.1:1", max_staleness=3, divergence="binary_kl"),
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        rollout_worker=_QueueWorker(),
+    )
+    trainer.create_model_card(dataset_name=str(tmp_path / "data" / "train.jsonl"), tags=["math"])
+    card = (Path(out) / "README.md").read_text(encoding="utf-8")
+    header = yaml.safe_load(card.split("---")[1])
+    assert {"dppo", "dppo-binary-kl", "async-grpo", "trl", "math"} <= set(header["tags"])
+    assert "base_model" not in header and "datasets" not in header  # local model and data: nothing to link to
+    assert "fine-tuned version of the local model `tiny_math_model` on the local dataset `train.jsonl`." in card
+    assert "None" not in card and str(tmp_path) not in card and ROOT not in card
+    assert "qi2026rethinking" in card and "AsyncDPPO" in card
+    assert 'model="tiny-async-dppo"' in card and "max_new_tokens=8" in card
+    versions = card.split("### Framework versions")[1].split("##")[0]
+    assert f"- dppo-trl: {dppo_trl.__version__}" in versions and "(server mode)" in versions
+    section = card.split("## DPPO configuration")[1]
+    for row in ("| divergence | binary_kl |", "| anchor | behavior |", "| max_staleness | 3 |"):
+        assert row in section, row
+    assert "| generation | vLLM (server, asynchronous) |" in section
+
+
 def test_trainers_patch_no_module_symbols():
     """The trainer adapters use no `unittest.mock` and assign no attribute of an imported module (the CPU peak-FLOPs
     lookup, `dppo_trl.backends.cpu.async_cpu.cpu_peak_flops`, is outside this check: see docs/upstream.md)."""

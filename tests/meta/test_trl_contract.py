@@ -42,7 +42,20 @@ def test_dppo_overrides_only_the_listed_seams():
         for name, value in DPPOTrainer.__dict__.items()
         if callable(value) and hasattr(GRPOTrainer, name) and not name.startswith("__")
     }
-    assert own == set(trl_contract.OVERRIDDEN_METHODS), f"unlisted GRPOTrainer overrides: {own}"
+    listed = set(trl_contract.OVERRIDDEN_METHODS) | set(trl_contract.HARDENING_OVERRIDDEN_METHODS)
+    assert own == listed, f"unlisted GRPOTrainer overrides: {own - listed}"
+
+
+@pytest.mark.parametrize("name", sorted(trl_contract.HARDENING_OVERRIDDEN_METHODS))
+def test_both_trainers_override_the_hardening_methods(name):
+    """The hardening is one piece (dppo_trl/hardening/) wired into the same methods of both trainers."""
+    from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
+
+    expected = list(trl_contract.HARDENING_OVERRIDDEN_METHODS[name])
+    for parent, trainer in ((GRPOTrainer, DPPOTrainer), (_async_module().AsyncGRPOTrainer, AsyncDPPOTrainer)):
+        params = list(inspect.signature(getattr(parent, name)).parameters)
+        assert params[: len(expected)] == expected, f"{parent.__name__}.{name} signature changed: {params}"
+        assert name in trainer.__dict__, f"{trainer.__name__} no longer overrides {name}: update trl_contract.py"
 
 
 def test_compute_loss_source_keeps_the_composition_points():
@@ -161,9 +174,10 @@ def test_checkpoint_staging_seams():
     source = inspect.getsource(Trainer._save_checkpoint)
     for fragment in trl_contract.TRAINER_SAVE_CHECKPOINT_FRAGMENTS:
         assert fragment in source, f"Trainer._save_checkpoint changed: missing {fragment!r}"
-    source = inspect.getsource(GRPOTrainer._save_checkpoint)
-    for fragment in trl_contract.GRPO_SAVE_CHECKPOINT_FRAGMENTS:
-        assert fragment in source, f"GRPOTrainer._save_checkpoint changed: missing {fragment!r}"
+    for parent in (GRPOTrainer, _async_module().AsyncGRPOTrainer):
+        source = inspect.getsource(parent._save_checkpoint)
+        for fragment in trl_contract.GRPO_SAVE_CHECKPOINT_FRAGMENTS:
+            assert fragment in source, f"{parent.__name__}._save_checkpoint changed: missing {fragment!r}"
 
 
 def test_generation_cycle_is_counted_in_training_steps():

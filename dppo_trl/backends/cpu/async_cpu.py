@@ -33,8 +33,8 @@ import requests
 import torch
 
 from dppo_trl.backends.cpu.construction import swapped_attribute
-from dppo_trl.backends.cpu.server_client import API_KEY_ENV
 from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
+from dppo_trl.backends.server_auth import API_KEY_ENV
 
 __all__ = [
     "FileWeightTransfer",

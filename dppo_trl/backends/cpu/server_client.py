@@ -1,57 +1,38 @@
 """TRL's `VLLMClient` for a CPU trainer: weights reach the server as a file instead of over NCCL.
 
 TRL pushes weights to a `vllm_mode="server"` server over an NCCL group (`VLLMClient.init_communicator` raises on a
-CPU trainer) and vLLM has no CPU weight-transfer backend. `cpu_sync_client_class(VLLMClient)` is a subclass that,
-when the trainer's device is the CPU, skips the communicator and receives TRL's own weight stream (`sync_weights`
-is untouched, so every rank still iterates the parameters and PEFT merge/unmerge and ZeRO-3 gathers apply): rank 0
-hands it to `weight_sync.reload_server_weights_from_file`; TRL then resets the prefix cache. On CUDA it is TRL's
-client unchanged. It also sends `$VLLM_API_KEY` as a bearer token when set, which TRL's client cannot.
+CPU trainer) and vLLM has no CPU weight-transfer backend. `cpu_sync_client_class(VLLMClient)` is a subclass that
+skips the communicator and receives TRL's own weight stream (`sync_weights` is untouched, so every rank still
+iterates the parameters and PEFT merge/unmerge and ZeRO-3 gathers apply): rank 0 hands it to
+`weight_sync.reload_server_weights_from_file`; TRL then resets the prefix cache.
+
+It is installed only for a trainer whose device is the CPU (`dppo_trl.backends.cpu.construction.server_client_class`
+decides); a CUDA trainer keeps TRL's NCCL sync. The API key, which every device sends, is not part of it
+(`dppo_trl/backends/server_auth.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
-
-import torch
 
 from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION
 from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["API_KEY_ENV", "cpu_sync_client_class"]
-
-# Trainers send this key (vLLM's own variable, so one `export` serves the server and the trainer).
-API_KEY_ENV = "VLLM_API_KEY"
-
-
-def _is_cpu_device(device: Any) -> bool:
-    # TRL reads a bare int as a CUDA index.
-    return not isinstance(device, int) and torch.device(device).type == "cpu"
+__all__ = ["cpu_sync_client_class"]
 
 
 def cpu_sync_client_class(base: type) -> type:
-    """A subclass of TRL's `VLLMClient` (`base`) that syncs weights through a file when the trainer runs on the CPU."""
+    """A subclass of TRL's `VLLMClient` (`base`) that syncs weights through a file (for a CPU trainer only)."""
 
     class CPUWeightSyncVLLMClient(base):
-        """TRL's `VLLMClient`; on a CPU trainer, weights reach the server as a file instead of over NCCL."""
+        """TRL's `VLLMClient` for a CPU trainer: weights reach the server as a file instead of over NCCL."""
 
-        dppo_original_class = base
         file_sync = False
 
-        def check_server(self, *args: Any, **kwargs: Any) -> Any:
-            # `VLLMClient.__init__` calls this right after creating its session and before its first /v1 request,
-            # so the key set here covers every request the client makes.
-            api_key = os.environ.get(API_KEY_ENV)
-            if api_key:
-                self.session.headers["Authorization"] = f"Bearer {api_key}"
-            return super().check_server(*args, **kwargs)
-
         def init_communicator(self, device: Any = 0) -> Any:
-            if not _is_cpu_device(device):
-                return super().init_communicator(device)
             # Fails with TRL's own message (restart with VLLM_SERVER_DEV_MODE=1) when the sync endpoints are missing.
             info = self.get_server_info()
             extension = info.get("parallel_config", {}).get("worker_extension_cls")

@@ -1,4 +1,8 @@
-"""Request timeouts for TRL's `VLLMClient` (server mode), which sends without one."""
+"""Request timeouts for TRL's `VLLMClient` (server mode), which sends without one.
+
+Applied on every device (a hung server hangs a GPU run as much as a CPU one), on the trainer's own client instance
+after it is built: not a CPU patch, so it lives outside `dppo_trl/backends/cpu/`.
+"""
 
 from __future__ import annotations
 
