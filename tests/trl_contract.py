@@ -62,7 +62,7 @@ COMPUTE_LOSS_FRAGMENTS = (
     "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)",
     "per_token_loss = per_token_loss * entropy_mask",
 )
-# GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.loss.aggregate_per_token_loss` reproduces for the
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.trainers.trl116.grpo.aggregate_per_token_loss` reproduces for the
 # μ-KL term (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",

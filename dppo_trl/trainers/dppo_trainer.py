@@ -49,7 +49,7 @@ from dppo_trl.backends.cpu.http import bound_server_requests
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
 from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
-from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
+from dppo_trl.core.loss import LossInputs, LossOutputs, policy_loss
 from dppo_trl.core.metrics import observer_record
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
 from dppo_trl.hardening.distributed import check_distributed_setup
@@ -65,6 +65,7 @@ from dppo_trl.kernels.topk_logps import (
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.trl116.grpo import aggregate_per_token_loss, opened_clip_weight
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
 logger = logging.getLogger(__name__)

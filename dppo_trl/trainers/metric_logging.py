@@ -6,7 +6,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dppo_trl.core.metrics import PARENT_CLIP_METRICS, trust_region_metrics
+from dppo_trl.core.metrics import trust_region_metrics
+from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 
 
 def log_trust_region_metrics(trainer: Any, stats: dict[str, Tensor], mode: str) -> None:

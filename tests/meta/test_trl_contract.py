@@ -330,7 +330,7 @@ def test_async_compute_loss_fragments():
 
 def test_async_clip_metrics_dropped_are_the_ones_trl_logs():
     """With zeroed advantages TRL's clip rates are always 0; the metric logger drops exactly the ones TRL logs."""
-    from dppo_trl.core.metrics import PARENT_CLIP_METRICS
+    from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 
     source = inspect.getsource(_async_module().AsyncGRPOTrainer.compute_loss)
     assert set(re.findall(r'\["(clip_ratio/[a-z_]+)"\]', source)) == set(PARENT_CLIP_METRICS)
