@@ -68,7 +68,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,10 +87,10 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
-from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
+from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
-from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
+from dppo_trl.kernels.engine_view import backbone, engine_list_view, last_hidden_state, lm_head, logit_transform
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
@@ -270,7 +269,7 @@ class KeepForwardOutputs:
         self.hidden: torch.Tensor | None = None
 
     def _keep_hidden(self, _module, _inputs, output) -> None:
-        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        hidden = last_hidden_state(output)
         self.hidden = hidden if self.hidden_with_graph else hidden.detach()
 
     def __call__(self, *args, **kwargs):
@@ -317,15 +316,17 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # Entries per token the worker asks the server for: N (truncated sampling, whose first K + 1 slots are also
         # the top-K lists), else K (top-K divergences), else none.
-        self._engine_list_size = args.kept_set_size or (args.divergence_top_k if args.uses_top_k else None)
+        self._engine_list_size = args.kept_set_size or (
+            args.divergence_top_k if self.trust_region_spec.uses_top_k else None
+        )
         if self._engine_list_size is not None and type(self.rollout_worker) is AsyncRolloutWorker:
             # TRL built its own worker (none was passed) and starts it on train begin: run the same worker with the
             # loop that also asks for μ's lists. A worker passed in must push `TopKRolloutSample`s itself.
             self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, self._engine_list_size)
             self.rollout_queue = self.rollout_worker.rollout_buffer
-        self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
 
@@ -375,7 +376,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus DPPO's
         term on that forward's log-probs."""
-        wants_topk, kept = self.args.uses_top_k, self.args.kept_set_size is not None
+        wants_topk, kept = self.trust_region_spec.uses_top_k, self.args.kept_set_size is not None
         if (wants_topk or kept) and BEHAVIOR_TOPK_IDS not in inputs:
             needs = (
                 "μ's kept set (truncated sampling)" if kept else f"divergence={self.args.divergence!r} needs μ's top-K"
@@ -386,17 +387,17 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
                 "`rollout_worker` passed in must too)."
             )
         forward = KeepForwardOutputs(
-            model, self._backbone(model) if wants_topk or kept else None, hidden_with_graph=kept
+            model,
+            backbone(self.accelerator.unwrap_model(model)) if wants_topk or kept else None,
+            hidden_with_graph=kept,
         )
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
         attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
         with attention:
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
         loss_inputs = self._loss_inputs(inputs, forward.outputs, self._policy_version())
-        if kept:
-            loss_inputs = self._with_kept_set(loss_inputs, inputs, forward.hidden, model)
-        elif wants_topk:
-            loss_inputs = self._with_topk(loss_inputs, inputs, forward.hidden, model)
+        if kept or wants_topk:
+            loss_inputs = self._with_engine_lists(loss_inputs, inputs, forward.hidden, model)
         return trl_loss + self._trust_region_loss(loss_inputs, inputs)
 
     def _loss_inputs(self, inputs: dict[str, Any], outputs: Any, policy_version: int) -> LossInputs:
@@ -419,83 +420,43 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             staleness=staleness,
         )
 
-    def _with_topk(self, loss_inputs: LossInputs, inputs: dict[str, Any], hidden: torch.Tensor | None, model):
-        """`loss_inputs` with π and μ over TopK(μ) ∪ {y} of each loss term: μ's lists from the batch, π's at the same ids
-        from the forward's final hidden states through `logps_at_ids_from_sampled` (no `[N, V]` logits)."""
-        if hidden is None:
-            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
-        selected = inputs["token_index"] >= 0
-        ids = inputs[BEHAVIOR_TOPK_IDS][selected]
-        mu_topk = inputs[BEHAVIOR_TOPK_LOGPS][selected].float()
-        valid = loss_inputs.valid
-        lm = _causal_lm(self.accelerator.unwrap_model(model))
-        head = lm.get_output_embeddings()
-        # FSDP2 shards the head as DTensors; the gather needs the full rows (as TRL's fused head does).
-        weight, bias = (_full(p) for p in (head.weight, getattr(head, "bias", None)))
-        pi_topk = torch.full_like(mu_topk, -math.inf)
-        rows = hidden.reshape(-1, hidden.shape[-1])[inputs["token_index"][selected]][valid]
-        pi_topk[valid] = logps_at_ids_from_sampled(
-            rows,
-            weight,
-            ids[valid],
-            ids[valid][:, 0],
-            loss_inputs.pi_logps.detach()[valid],
-            bias=bias,
-            transform=LogitTransform.from_model_config(lm.config, temperature=self.temperature),
-        )
-        # Terms whose μ is invalid must not leak into the divergence: both sides get identical padding.
-        mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
-        return dataclasses.replace(loss_inputs, pi_topk_logps=pi_topk, mu_topk_logps=mu_topk)
-
-    def _with_kept_set(self, loss_inputs: LossInputs, inputs: dict[str, Any], hidden: torch.Tensor | None, model):
-        """Truncated sampling: `loss_inputs` with log π(kept) and the overflow positions (and, under a top-K divergence,
-        the first K + 1 slots as the top-K lists), as `DPPOTrainer._pi_kept` builds them.
-
-        The batch's engine lists (N + 1 slots, `BEHAVIOR_TOPK_*`) hold the kept set as their finite entries; π at
-        those ids comes from the forward's final hidden states with their graph (`logps_at_ids_with_grad`, no
-        `[N, V]` logits), so log π_kept = log π − log π(kept) carries the gradient of every kept id through the core's
-        `policy_loss` term itself (no separate correction term: this trainer adds that term as written).
-        """
-        if hidden is None:
-            raise RuntimeError("DPPO's kept set needs the policy's final hidden states, but none were captured.")
+    def _with_engine_lists(self, loss_inputs: LossInputs, inputs: dict[str, Any], hidden: torch.Tensor | None, model):
+        """`loss_inputs` with π and μ at the engine's listed ids of each loss term (`engine_view.engine_list_view`):
+        μ's top-K lists, or under truncated sampling the kept set (N + 1 slots, `BEHAVIOR_TOPK_*`), whose log π(kept)
+        carries the gradient of every kept id through the core's `policy_loss` term itself, and its overflow."""
         n = self.args.kept_set_size
-        assert n is not None
         selected = inputs["token_index"] >= 0
         ids = inputs[BEHAVIOR_TOPK_IDS][selected]
-        mu_lists = engine_lists(inputs[BEHAVIOR_TOPK_LOGPS][selected].float())
-        if mu_lists.shape[-1] != n + 1:
-            raise RuntimeError(f"The batch's engine lists have {mu_lists.shape[-1]} slots, not N + 1 = {n + 1}.")
-        valid = loss_inputs.valid
-        lm = _causal_lm(self.accelerator.unwrap_model(model))
-        head = lm.get_output_embeddings()
-        weight, bias = (_full(p) for p in (head.weight, getattr(head, "bias", None)))
-        rows = hidden.reshape(-1, hidden.shape[-1])[inputs["token_index"][selected]][valid]
-        pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
-        pi_lists[valid] = logps_at_ids_with_grad(
+        mu_lists = inputs[BEHAVIOR_TOPK_LOGPS][selected].float()
+        overflow = None
+        if n is not None:
+            mu_lists = engine_lists(mu_lists)
+            if mu_lists.shape[-1] != n + 1:
+                raise RuntimeError(f"The batch's engine lists have {mu_lists.shape[-1]} slots, not N + 1 = {n + 1}.")
+            overflow = kept_set_overflow(mu_lists, n, sampling_truncation(self.args)[0])
+        unwrapped = self.accelerator.unwrap_model(model)
+        weight, bias = lm_head(unwrapped)
+        rows = None if hidden is None else hidden.reshape(-1, hidden.shape[-1])[inputs["token_index"][selected]]
+        spec = self.trust_region_spec
+        view = engine_list_view(
             rows,
             weight,
-            ids[valid],
-            ids[valid][:, 0],
-            loss_inputs.pi_logps[valid].float(),
-            bias=bias,
-            transform=LogitTransform.from_model_config(lm.config, temperature=self.temperature),
+            bias,
+            logit_transform(unwrapped, self.temperature),
+            ids,
+            mu_lists,
+            loss_inputs.pi_logps,
+            loss_inputs.valid,
+            kept_set=n is not None,
+            top_k=spec.divergence_top_k if spec.uses_top_k else None,
         )
-        kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
-        overflow = kept_set_overflow(mu_lists, n, sampling_truncation(self.args)[0])
-        topk: dict[str, torch.Tensor] = {}
-        if self.args.uses_top_k:
-            width = self.args.divergence_top_k + 1
-            mu_topk = torch.where(
-                valid.unsqueeze(-1), mu_lists[..., :width], torch.full_like(mu_lists[..., :width], -math.inf)
-            )
-            topk = {"pi_topk_logps": pi_lists[..., :width].detach(), "mu_topk_logps": mu_topk}
         return dataclasses.replace(
-            loss_inputs, kept_log_mass=kept_log_mass(pi_lists, kept), kept_overflow=overflow, **topk
+            loss_inputs,
+            pi_topk_logps=view.pi_topk_logps,
+            mu_topk_logps=view.mu_topk_logps,
+            kept_log_mass=view.kept_log_mass,
+            kept_overflow=overflow,
         )
-
-    def _backbone(self, model) -> torch.nn.Module:
-        """The decoder whose output TRL's fused head projects (`PreTrainedModel.base_model`, under PEFT too)."""
-        return _causal_lm(self.accelerator.unwrap_model(model)).base_model
 
     def _trust_region_loss(self, loss_inputs: LossInputs, inputs: dict[str, Any]) -> torch.Tensor:
         """DPPO's per-token terms summed and scaled as `AsyncGRPOTrainer.compute_loss` scales its policy term: by the
@@ -517,12 +478,3 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             version = int(broadcast_object_list([self.model_version], from_process=0)[0])
             read = self._policy_version_read = (self.state, self.state.global_step, version)
         return read[2]
-
-
-def _causal_lm(model):
-    """The `PreTrainedModel` carrying the LM head (under PEFT, the wrapped base model)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _full(param):
-    return param.full_tensor() if param is not None and hasattr(param, "full_tensor") else param

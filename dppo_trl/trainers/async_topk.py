@@ -43,6 +43,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _chain_to_sequences,
 )
 
+from dppo_trl.trainers.kept_set import VLLM_LOGPROB_FLOOR
 from dppo_trl.trainers.vllm_topk import PAD_ID, topk_entries_to_tensors
 
 __all__ = [
@@ -61,8 +62,6 @@ __all__ = [
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 
-# vLLM's completions endpoint writes a −inf log-prob as this JSON number (OpenAI's convention).
-_JSON_NEG_INF = -9999.0
 _TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -87,7 +86,7 @@ def completion_topk(choice: dict[str, Any], k: int) -> tuple[np.ndarray, np.ndar
                     "`return_tokens_as_token_ids` (a token string can stand for several ids)."
                 )
             value = float("nan") if logp is None else float(logp)
-            pairs.append((int(key[len(_TOKEN_ID_PREFIX) :]), -math.inf if value <= _JSON_NEG_INF else value))
+            pairs.append((int(key[len(_TOKEN_ID_PREFIX) :]), -math.inf if value <= VLLM_LOGPROB_FLOOR else value))
         pairs.sort(key=lambda pair: -pair[1] if pair[1] == pair[1] else math.inf)  # rank order, NaN last
         entry_ids.append([i for i, _ in pairs])
         entry_logps.append([lp for _, lp in pairs])

@@ -48,7 +48,7 @@ from dppo_trl.backends.cpu.engine import EngineOptions
 from dppo_trl.backends.cpu.http import bound_server_requests
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
-from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
+from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, policy_loss
 from dppo_trl.core.metrics import observer_record
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, latest_complete_checkpoint, staged_checkpoint
@@ -56,12 +56,16 @@ from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
 from dppo_trl.hardening.model_card import dataset_for_card, finish_model_card
 from dppo_trl.hardening.preemption import raise_if_preempted, record_jit_checkpoints, resume_command
-from dppo_trl.kernels.topk_logps import (
-    LogitTransform,
-    chunked_topk_logps,
-    logps_at_ids_from_sampled,
-    logps_at_ids_with_grad,
+from dppo_trl.kernels.engine_view import (
+    EngineListView,
+    backbone,
+    engine_list_view,
+    full,
+    last_hidden_state,
+    lm_head,
+    logit_transform,
 )
+from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
@@ -199,7 +203,7 @@ class DPPOTrainer(GRPOTrainer):
             self._check_vllm_server()
             if self._kept_set_size is not None:
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self._kept_set_size)
-            elif self.args.uses_top_k and self.args.anchor == "behavior":
+            elif self.trust_region_spec.uses_top_k and self.args.anchor == "behavior":
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
             if self._vllm_topk is not None:
                 gen_kwargs = self.vllm_generation.generation_kwargs
@@ -302,9 +306,9 @@ class DPPOTrainer(GRPOTrainer):
         hiddens: list[torch.Tensor] = []
         handle = None
         if capture.want_hidden:
-            handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
+            handle = backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
                 lambda _module, _inputs, out: hiddens.append(
-                    _last_hidden_state(out) if capture.hidden_with_graph else _last_hidden_state(out).detach()
+                    last_hidden_state(out) if capture.hidden_with_graph else last_hidden_state(out).detach()
                 )
             )
         try:
@@ -325,7 +329,7 @@ class DPPOTrainer(GRPOTrainer):
         inputs = _with_behavior_invariants(inputs)
         kept = BEHAVIOR_KEPT_IDS in inputs
         call = _LossCall(
-            want_hidden=kept or (self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs),
+            want_hidden=kept or (self.trust_region_spec.uses_top_k and BEHAVIOR_TOPK_IDS in inputs),
             hidden_with_graph=kept,
             batch=inputs,
         )
@@ -458,7 +462,7 @@ class DPPOTrainer(GRPOTrainer):
         - transformers `generate`, on-policy: `None` — μ ≡ π and the parent falls back to `π.detach()`.
         - `anchor="recompute"` (ablation): the trainer's π_old, recomputed here if the parent did not.
         """
-        want_topk = self.args.uses_top_k
+        want_topk = self.trust_region_spec.uses_top_k
         topk = None
         if self.args.anchor == "recompute":
             behavior = output.get("old_per_token_logps")
@@ -510,10 +514,10 @@ class DPPOTrainer(GRPOTrainer):
             raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
         k = self.args.divergence_top_k
         valid = mask.bool()
-        weight, bias = self._lm_head_params()
+        weight, bias = lm_head(self.accelerator.unwrap_model(self.model))
         with maybe_gather_lm_head_ctx(weight, bias):
             top_logps, top_ids = chunked_topk_logps(
-                capture.hidden[valid], _full(weight), k, bias=_full(bias), transform=self._logit_transform()
+                capture.hidden[valid], full(weight), k, bias=full(bias), transform=self._logit_transform()
             )
         ids = torch.full((*mask.shape, k + 1), -1, dtype=torch.long, device=mask.device)
         slot_logps = torch.full((*mask.shape, k + 1), -math.inf, dtype=torch.float32, device=mask.device)
@@ -541,12 +545,9 @@ class DPPOTrainer(GRPOTrainer):
                 mu_logps, valid = per_token_logps.detach().float(), torch.ones_like(tokens)
             else:
                 mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
-            topk = None
-            if call.want_hidden and BEHAVIOR_KEPT_IDS not in batch:
-                topk = self._pi_topk(call, per_token_logps.detach().float(), tokens & valid)
-        log_mass = overflow = None
-        if BEHAVIOR_KEPT_IDS in batch:
-            log_mass, overflow, topk = self._pi_kept(call, per_token_logps, tokens & valid)
+        view = EngineListView()
+        if call.want_hidden:
+            view = self._engine_list_view(batch, call.hidden, per_token_logps, tokens & valid)
         old = batch.get(RECOMPUTED_LOGPS)
         inputs = LossInputs(
             pi_logps=per_token_logps,
@@ -555,11 +556,11 @@ class DPPOTrainer(GRPOTrainer):
             tokens=tokens,
             valid=valid,
             old_logps=old.float() if old is not None else None,
-            pi_topk_logps=topk[0] if topk else None,
-            mu_topk_logps=topk[1] if topk else None,
+            pi_topk_logps=view.pi_topk_logps,
+            mu_topk_logps=view.mu_topk_logps,
             entropies=call.entropies,
-            kept_log_mass=log_mass,
-            kept_overflow=overflow,
+            kept_log_mass=view.kept_log_mass,
+            kept_overflow=batch[BEHAVIOR_KEPT_OVERFLOW].bool() if BEHAVIOR_KEPT_IDS in batch else None,
         )
         outputs = policy_loss(self.trust_region_spec, inputs)
         with torch.no_grad():
@@ -591,73 +592,32 @@ class DPPOTrainer(GRPOTrainer):
                 observer(record)
         log_trust_region_metrics(self, call.outputs.stats, mode)
 
-    def _pi_topk(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
-        """π's log-probs at μ's TopK ∪ {y} ids, from the hidden states the call captured (no `[B, T, V]` logits)."""
-        capture, batch = call, call.batch
-        assert batch is not None
-        ids, mu_topk = batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS].float()
-        if capture.hidden is None:
-            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
-        weight, bias = self._lm_head_params()
-        pi_topk = torch.full_like(mu_topk, -math.inf)
-        with maybe_gather_lm_head_ctx(weight, bias):
-            pi_topk[valid] = logps_at_ids_from_sampled(
-                capture.hidden[valid],
-                _full(weight),
-                ids[valid],
-                ids[valid][:, 0],
-                pi_logps[valid],
-                bias=_full(bias),
-                transform=self._logit_transform(),
-            )
-        # Rows outside `valid` must not leak into the divergence: give both sides identical padding.
-        mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
-        return pi_topk, mu_topk
-
-    def _pi_kept(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
-        """Truncated sampling: `(log π(kept), overflow, top-K lists or None)` for the core.
-
-        π's log-probs at the engine's listed ids come from the hidden states with their graph
-        (`logps_at_ids_with_grad`, J + 1 dot products per token, no `[B, T, V]` logits), so log π(kept) carries the
-        gradient of every kept id; the kept ids are those with a finite μ in the engine's list. Under a top-K
-        divergence its lists are the first K + 1 slots (y_t and TopK(μ)), restricted to the kept ids by the core.
-        """
-        batch = call.batch
-        assert batch is not None
-        if call.hidden is None:
-            raise RuntimeError("DPPO's kept set needs the policy's final hidden states, but none were captured.")
-        ids, mu_lists = batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS].float()
-        weight, bias = self._lm_head_params()
-        pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
+    def _engine_list_view(self, batch: dict, hidden, pi_logps: torch.Tensor, valid: torch.Tensor) -> EngineListView:
+        """π at the engine's listed ids of this batch: μ's top-K lists, or the kept set's (truncated sampling)."""
+        kept = BEHAVIOR_KEPT_IDS in batch
+        ids, mu_lists = (
+            (batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS])
+            if kept
+            else (batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS])
+        )
+        weight, bias = lm_head(self.accelerator.unwrap_model(self.model))
         # ZeRO-3: the head is gathered for the forward here and again by the gather's own backward (as TRL's head does).
         with maybe_gather_lm_head_ctx(weight, bias):
-            pi_lists[valid] = logps_at_ids_with_grad(
-                call.hidden[valid],
-                _full(weight),
-                ids[valid],
-                ids[valid][:, 0],
-                pi_logps[valid].float(),
-                bias=_full(bias),
-                transform=self._logit_transform(),
+            return engine_list_view(
+                hidden,
+                weight,
+                bias,
+                self._logit_transform(),
+                ids,
+                mu_lists.float(),
+                pi_logps,
+                valid,
+                kept_set=kept,
+                top_k=self.trust_region_spec.divergence_top_k if self.trust_region_spec.uses_top_k else None,
             )
-        kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
-        log_mass = kept_log_mass(pi_lists, kept)
-        topk = None
-        if self.args.uses_top_k:
-            width = self.args.divergence_top_k + 1
-            mu_topk = torch.where(
-                valid.unsqueeze(-1), mu_lists[..., :width], torch.full_like(mu_lists[..., :width], -math.inf)
-            )
-            topk = (pi_lists[..., :width].detach(), mu_topk)
-        return log_mass, batch[BEHAVIOR_KEPT_OVERFLOW].bool(), topk
-
-    def _lm_head_params(self):
-        head = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).get_output_embeddings()
-        return head.weight, getattr(head, "bias", None)
 
     def _logit_transform(self) -> LogitTransform:
-        config = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).config
-        return LogitTransform.from_model_config(config, temperature=self.args.temperature)
+        return logit_transform(self.accelerator.unwrap_model(self.model), self.args.temperature)
 
     def _check_vllm_server(self) -> None:
         """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them."""
@@ -672,7 +632,7 @@ class DPPOTrainer(GRPOTrainer):
             )
         max_logprobs = model_config.get("max_logprobs")
         k = self.args.divergence_top_k
-        if self.args.uses_top_k and max_logprobs is not None and 0 <= max_logprobs < k:
+        if self.trust_region_spec.uses_top_k and max_logprobs is not None and 0 <= max_logprobs < k:
             raise ValueError(
                 f"divergence_top_k={k} exceeds the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server "
                 f"with `--max-logprobs {k}` (or -1), or lower divergence_top_k."
@@ -693,7 +653,7 @@ def dppo_card_section(args: DPPOConfig) -> str:
         ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
         ("ratio_cap (C)", args.ratio_cap),
         ("anchor", args.anchor),
-        ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        ("top-K (K)", args.divergence_top_k if args.trust_region_spec().uses_top_k else "–"),
         (
             "truncated sampling",
             "–"
@@ -718,7 +678,7 @@ def dppo_card_section(args: DPPOConfig) -> str:
 
 def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
     """Checks that need the trainer's arguments, not only the config (run before anything is built)."""
-    if config.uses_top_k and params.get("rollout_func") is not None:
+    if config.trust_region_spec().uses_top_k and params.get("rollout_func") is not None:
         raise ValueError(
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
@@ -770,24 +730,3 @@ def _with_behavior_invariants(inputs: dict) -> dict:
         BEHAVIOR_VALID: valid,
         "old_per_token_logps": mu_logps.clamp(min=_MU_FLOOR),
     }
-
-
-def _unwrapped_causal_lm(model):
-    """The `PreTrainedModel` carrying the LM head (under PEFT, the wrapped base model)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _backbone(model):
-    """The decoder whose output the fused LM head projects (`PreTrainedModel.base_model`)."""
-    return _unwrapped_causal_lm(model).base_model
-
-
-def _last_hidden_state(output) -> torch.Tensor:
-    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-
-def _full(param):
-    """FSDP2 exposes sharded parameters as DTensors; the projections need the full tensor."""
-    if param is not None and hasattr(param, "full_tensor"):
-        return param.full_tensor()
-    return param

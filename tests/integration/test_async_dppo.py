@@ -132,7 +132,9 @@ def test_config_shares_dppo_fields_and_validation(tmp_path):
         assert config.__dataclass_fields__[field].metadata == DPPOConfig.__dataclass_fields__[field].metadata
     with pytest.raises(ValueError, match="ratio_cap must be finite"):
         _config(tmp_path, ratio_cap=0.5)
-    assert _config(tmp_path, divergence="topk_tv", divergence_top_k=5).uses_top_k  # top-K runs asynchronously too
+    assert (
+        _config(tmp_path, divergence="topk_tv", divergence_top_k=5).trust_region_spec().uses_top_k
+    )  # top-K runs asynchronously too
     with pytest.raises(ValueError, match="anchor='behavior'"):
         _config(tmp_path, anchor="recompute")
     with pytest.raises(ValueError, match="needs π_old"):
