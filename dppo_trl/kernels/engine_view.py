@@ -12,6 +12,7 @@ The model helpers below read the transformers model a trainer hands its parent (
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, overload
@@ -102,15 +103,17 @@ def engine_list_view(
     gather = logps_at_ids_with_grad if kept_set else logps_at_ids_from_sampled
     pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
     listed = ids[valid]
-    pi_lists[valid] = gather(
-        hidden[valid],
-        full(weight),
-        listed,
-        listed[:, 0],
-        (pi_logps if kept_set else pi_logps.detach())[valid].float(),
-        bias=full(bias),
-        transform=transform,
-    )
+    # Only log π(kept) needs a gradient; without it no graph is built over the gathered head rows.
+    with contextlib.nullcontext() if kept_set else torch.no_grad():
+        pi_lists[valid] = gather(
+            hidden[valid],
+            full(weight),
+            listed,
+            listed[:, 0],
+            pi_logps[valid].float(),
+            bias=full(bias),
+            transform=transform,
+        )
     pi_topk = mu_topk = log_mass = None
     if top_k is not None:
         width = top_k + 1
