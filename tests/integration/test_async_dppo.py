@@ -430,7 +430,7 @@ def server_url(tmp_path_factory):
 
 
 class _Recorder:
-    """Records each loss call's (π, μ, staleness): the `LossInputs` the trainer hands its `_trust_region_loss`."""
+    """Records each loss call's (π, μ, staleness): the `LossInputs` the trainer builds (`_loss_inputs`)."""
 
     def __init__(self):
         self.calls = []
@@ -440,11 +440,12 @@ def _recording_trainer(recorder: _Recorder):
     from dppo_trl import AsyncDPPOTrainer
 
     class RecordingTrainer(AsyncDPPOTrainer):
-        def _trust_region_loss(self, loss_inputs, inputs):
+        def _loss_inputs(self, inputs, forward):
+            loss_inputs = super()._loss_inputs(inputs, forward)
             recorder.calls.append(
                 (loss_inputs.pi_logps.detach().clone(), loss_inputs.mu_logps.clone(), loss_inputs.staleness.clone())
             )
-            return super()._trust_region_loss(loss_inputs, inputs)
+            return loss_inputs
 
     return RecordingTrainer
 

@@ -156,9 +156,10 @@ def _recording_trainer(recorder: _Recorder):
     from dppo_trl import AsyncDPPOTrainer
 
     class RecordingTrainer(AsyncDPPOTrainer):
-        def _trust_region_loss(self, loss_inputs, inputs):
+        def _loss_inputs(self, inputs, forward):
+            loss_inputs = super()._loss_inputs(inputs, forward)
             recorder.calls.append((loss_inputs, {k: v for k, v in inputs.items()}))
-            return super()._trust_region_loss(loss_inputs, inputs)
+            return loss_inputs
 
     return RecordingTrainer
 
