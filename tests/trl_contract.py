@@ -280,7 +280,7 @@ WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "res
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
 
-# Top-K in async (dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
+# Top-K in async (dppo_trl/trainers/trl116/async_grpo.py, dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
 # subclasses the worker's loop and `TopKRolloutWorker` runs it through the worker's `_loop_cls`, built from the
 # `_loop_kwargs` TRL built its worker with (TRL's own resume reads them too), swapped in before `train` starts it.
 # → one `logprobs` option of the worker returning the entries in `TurnRecord` and `RolloutSample` (docs/upstream.md,

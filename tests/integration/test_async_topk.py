@@ -271,7 +271,7 @@ def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
     from dppo_trl import AsyncDPPOTrainer
-    from dppo_trl.trainers.async_topk import TopKRolloutLoop, TopKRolloutWorker
+    from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
 
     def build(path, divergence):
         return AsyncDPPOTrainer(

@@ -402,7 +402,8 @@ def test_async_topk_worker_internals():
     """The rollout-worker internals `dppo_trl.trainers.async_topk` subclasses and reads (top-K in async)."""
     import importlib
 
-    from dppo_trl.trainers.async_topk import TopKRolloutLoop, TopKRolloutSample, TopKRolloutWorker
+    from dppo_trl.trainers.async_topk import TopKRolloutSample
+    from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
 
     worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
     loop = worker._AsyncRolloutLoop

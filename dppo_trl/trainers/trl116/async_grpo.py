@@ -10,7 +10,7 @@ deleted and the hook becomes TRL's:
 | `PolicyForward.model_version`: each loss term's sampling version, in the batch | `SampleVersionQueue` hands TRL's queue dataset each sample with its metrics as a `SampleMetrics` (the version an attribute: TRL averages every item of `metrics` into its logs); `SampleVersionCollator` packs it as `batch[SAMPLE_VERSION]`; `get_train_dataloader` restates TRL's method with those two arguments (TRL builds its collator inline) | async-1 |
 | `_per_token_policy_loss(inputs, forward)`: the per-token policy loss, TRL's forward, normalisation and accounting around it | TRL's `compute_loss` runs on the batch with zeroed advantages (value 0, gradient 0 for its PPO term) through `KeepForwardOutputs`, which keeps its one forward's outputs; the hook's terms are scaled as TRL scales its own (tokens per process, then gradient accumulation: restated); TRL's clip rates, always 0 then, are dropped (`PARENT_CLIP_METRICS`) | async-2 |
 | `_policy_version()`: the version of the weights being trained, on every rank | broadcast from the main process once per optimizer step (TRL bumps `model_version` on the main process only, between steps) | async-3 |
-| `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `async_topk.TopKRolloutWorker`, TRL's worker running a subclass of its private loop (`TopKRolloutLoop`) | async-5 |
+| `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `dppo_trl.trainers.async_topk`) | async-5 |
 | `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
 
 On CPU, TRL's forward runs inside `dppo_trl.backends.cpu.async_cpu.cpu_tree_attention()` (async-4 and the CPU paths
@@ -20,12 +20,14 @@ TRL's real loss.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list
 from torch import Tensor
@@ -38,11 +40,24 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     TokenBudgetBatcher,
     _EmptyIterableDataset,
 )
-from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+from trl.experimental.async_grpo.async_rollout_worker import (
+    AsyncRolloutWorker,
+    RolloutSample,
+    TurnRecord,
+    _AsyncRolloutLoop,
+)
 
 from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
 from dppo_trl.kernels.engine_view import backbone, last_hidden_state
-from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
+from dppo_trl.trainers.async_topk import (
+    BEHAVIOR_TOPK_IDS,
+    BEHAVIOR_TOPK_LOGPS,
+    TopKRolloutSample,
+    TopKTrainingSequence,
+    behavior_topk,
+    completion_topk,
+    rows_topk,
+)
 from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 
 # Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
@@ -182,6 +197,81 @@ class KeepForwardOutputs:
             if handle is not None:
                 handle.remove()
         return self.outputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# async-5: the rollout loop that asks the server for μ's lists (a subclass of TRL's private loop)
+# ----------------------------------------------------------------------------------------------------------------
+def _current_task() -> asyncio.Task:
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
+    return task
+
+
+class TopKRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
+    on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
+    advantages — is TRL's."""
+
+    def __init__(self, *, logprobs_top_k: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        if logprobs_top_k < 1:
+            raise ValueError(f"logprobs_top_k must be >= 1, got {logprobs_top_k}.")
+        self.logprobs_top_k = logprobs_top_k
+        # The turns (TurnRecord, top-K) of each conversation being rolled out, by the asyncio task that runs it:
+        # TRL runs one `_generate_one` per task, and its completions requests are awaited inside that task.
+        self._turns_by_task: dict[asyncio.Task, list[tuple[TurnRecord, tuple[np.ndarray, np.ndarray]]]] = {}
+
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        if path != "/v1/completions":
+            return await super()._post(path, payload, timeout, max_retries)
+        turns = self._turns_by_task.get(_current_task())
+        if turns is None:
+            raise RuntimeError("TopKRolloutLoop samples only inside `_generate_one` (one conversation per task).")
+        payload = {**payload, "logprobs": self.logprobs_top_k, "return_tokens_as_token_ids": True}
+        content = await super()._post(path, payload, timeout, max_retries)
+        choice = content["choices"][0]
+        topk = completion_topk(choice, self.logprobs_top_k)
+        turns.append((TurnRecord(list(payload["prompt"]), list(choice["token_ids"])), topk))
+        return content
+
+    async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
+        task = _current_task()
+        turns = self._turns_by_task[task] = []
+        try:
+            completion, completion_ids, rows, *rest = await super()._generate_one(prompt, tool_dict, tools, group_id)
+        finally:
+            del self._turns_by_task[task]
+        return (completion, completion_ids, rows_topk(turns, rows, self._fork_threshold_tokens), *rest)
+
+    async def _score_group(self, group) -> list[RolloutSample]:
+        samples = await super()._score_group(group)
+        rows = [row for conversation in group.completions_sequences for row in conversation]
+        if len(rows) != len(samples) or any(
+            not isinstance(row, TopKTrainingSequence) or not np.array_equal(row.input_ids, s.input_ids)
+            for row, s in zip(rows, samples)
+        ):
+            raise RuntimeError("TRL's scored samples no longer follow its training rows one to one.")
+        return [
+            TopKRolloutSample(
+                **{f.name: getattr(s, f.name) for f in dataclasses.fields(RolloutSample)},
+                topk_ids=row.topk_ids,
+                topk_logps=row.topk_logps,
+            )
+            for s, row in zip(samples, rows)
+        ]
+
+
+class TopKRolloutWorker(AsyncRolloutWorker):
+    """TRL's rollout worker running `TopKRolloutLoop` (pass `logprobs_top_k=K` with TRL's worker arguments)."""
+
+    _loop_cls = TopKRolloutLoop
+
+    @classmethod
+    def like(cls, worker: AsyncRolloutWorker, logprobs_top_k: int) -> TopKRolloutWorker:
+        """A not-yet-started worker with `worker`'s arguments (those `AsyncGRPOTrainer` built it with) plus K."""
+        return cls(**worker._loop_kwargs, logprobs_top_k=logprobs_top_k)
 
 
 class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
