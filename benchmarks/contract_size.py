@@ -12,6 +12,11 @@ Counts `tests/trl_contract.py` two ways:
 pins no proposed hook removes, which is what would be left if every hook landed. `--commit REV` counts the contract as
 it was at a git revision (its path moved from `dppo_trl/trl_contract.py` to `tests/`).
 
+`restated_lines` counts the lines of `dppo_trl/` that restate TRL code (TRL's statements written again, not calls
+into TRL): the regions between a `# restates-trl: begin <TRL source>` and a `# restates-trl: end` comment, non-blank
+and non-comment lines only, per file in `restated_by_file`. A pin fails when TRL changes under it; a restated line
+silently keeps TRL's old behaviour, so each region also has a contract pin or a test against TRL's real code.
+
 Prints one JSON object:
 
     .venv/bin/python benchmarks/contract_size.py [--commit d771e7b]
@@ -30,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT_PATHS = ("tests/trl_contract.py", "dppo_trl/trl_contract.py")
 NOT_PINS = ("TESTED_TRL_RANGE",)
+PACKAGE = "dppo_trl"
+RESTATED_BEGIN, RESTATED_END = "# restates-trl: begin", "# restates-trl: end"
 
 
 def contract_constants(source: str) -> dict[str, ast.expr]:
@@ -80,6 +87,43 @@ def measure(source: str, removed_by: dict | None) -> dict:
     return result
 
 
+def restated_lines(source: str, path: str) -> int:
+    """The code lines of `source` inside `# restates-trl: begin … end` regions (regions must pair up)."""
+    count, inside = 0, False
+    for number, line in enumerate(source.splitlines(), 1):
+        text = line.strip()
+        if text.startswith(RESTATED_BEGIN):
+            if inside:
+                raise SystemExit(f"{path}:{number}: nested `{RESTATED_BEGIN}`")
+            inside = True
+        elif text.startswith(RESTATED_END):
+            if not inside:
+                raise SystemExit(f"{path}:{number}: `{RESTATED_END}` without a begin")
+            inside = False
+        elif inside and text and not text.startswith("#"):
+            count += 1
+    if inside:
+        raise SystemExit(f"{path}: `{RESTATED_BEGIN}` without an end")
+    return count
+
+
+def measure_restated(commit: str | None) -> dict[str, int]:
+    """Restated lines per file of the package, at `commit` or in the working tree (files with none left out)."""
+    if commit is None:
+        files = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in (ROOT / PACKAGE).rglob("*.py")}
+    else:
+        listed = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", commit, PACKAGE], cwd=ROOT, capture_output=True, text=True
+        ).stdout.split()
+        files = {
+            path: subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True).stdout
+            for path in listed
+            if path.endswith(".py")
+        }
+    counts = {path: restated_lines(source, path) for path, source in sorted(files.items())}
+    return {path: n for path, n in counts.items() if n}
+
+
 def read_contract(commit: str | None) -> str:
     if commit is None:
         return (ROOT / CONTRACT_PATHS[0]).read_text(encoding="utf-8")
@@ -98,6 +142,9 @@ def main() -> None:
     if args.commit is None:
         removed_by = runpy.run_path(str(ROOT / "tests" / "contract_hooks.py"))["REMOVED_BY"]
     result = {"commit": args.commit or "working tree", **measure(read_contract(args.commit), removed_by)}
+    restated = measure_restated(args.commit)
+    result["restated_lines"] = sum(restated.values())
+    result["restated_by_file"] = restated
     print(json.dumps(result))
 
 

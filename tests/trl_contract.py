@@ -68,7 +68,7 @@ COMPUTE_LOSS_FRAGMENTS = (
     "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)",
     "per_token_loss = per_token_loss * entropy_mask",
 )
-# GRPOTrainer's aggregation of the policy term, which `dppo_trl.core.loss.aggregate_per_token_loss` reproduces for the
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.trainers.trl116.grpo.aggregate_per_token_loss` reproduces for the
 # μ-KL term (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
@@ -287,7 +287,7 @@ WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "res
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
 
-# Top-K in async (dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
+# Top-K in async (dppo_trl/trainers/trl116/async_grpo.py, dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
 # subclasses the worker's loop and `TopKRolloutWorker` runs it through the worker's `_loop_cls`, built from the
 # `_loop_kwargs` TRL built its worker with (TRL's own resume reads them too), swapped in before `train` starts it.
 # → one `logprobs` option of the worker returning the entries in `TurnRecord` and `RolloutSample` (docs/upstream.md,

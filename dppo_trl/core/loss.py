@@ -15,12 +15,8 @@ kept, so π is compared as π_kept(y) = π(y) / π(kept) (`LossInputs.kept_log_m
 gradient flows through log π_kept, and positions whose kept set the engine could not list (`kept_overflow`) are left
 out like an invalid μ. Without a kept set nothing here changes.
 
-Every baseline of the registry is another `w_t` on the same path. The trainers aggregate `loss_t` (and `kl_t`) the
-way their parent aggregates its policy term:
-
-- `AsyncDPPOTrainer` adds `outputs.policy_loss` to its parent's loss as written;
-- `DPPOTrainer` hands `opened_clip_weight(outputs.coef, ...)` to GRPOTrainer, whose opened-clip term `−r·A·m`
-  then equals `loss_t` in value and gradient, so TRL's entropy mask, β-KL, aggregations and aux loss apply unchanged.
+Every baseline of the registry is another `w_t` on the same path. The trainers hand `loss_t` (and `kl_t`) to their
+parent, which aggregates them as it aggregates its own policy term (`dppo_trl.trainers.trl116`).
 
 Imports torch only.
 """
@@ -34,76 +30,14 @@ from torch import Tensor
 
 from dppo_trl.core.functional import compute_divergence, mu_kl_penalty, restrict_topk_to_kept
 from dppo_trl.core.metrics import trust_region_stats
-from dppo_trl.core.registry import CoefficientInputs
 from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.core.types import CoefficientInputs, LossInputs
+
+__all__ = ["COEF_MAX", "LossInputs", "LossOutputs", "policy_loss"]
 
 # Coefficients are capped here: an uncapped π/μ (pg_is, minirl) can overflow the loss to inf/NaN. DPPO's own
 # coefficient is already capped at `ratio_cap`.
 COEF_MAX = 1e6
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """One loss call's per-token tensors, all of one token shape unless noted: `(B, T)` for `DPPOTrainer`, the packed
-    `(N,)` list of `AsyncDPPOTrainer`, anything element-wise.
-
-    Attributes:
-        pi_logps: log π(y_t) of the current policy, with its graph (the loss's gradient flows through it).
-        mu_logps: log μ(y_t), sanitised (`functional.sanitize_behavior_logps`: finite where valid).
-        advantages: A, in the tokens' shape or one value per sequence (`(B,)`/`(B, 1)` for `(B, T)` tokens).
-        tokens: bool, the completion tokens the loss counts (`completion_mask * tool_mask`).
-        valid: bool, μ is valid at that token (the engine reported a finite log-prob).
-        old_logps: π_old (the trainer's recompute), only for registry entries with `needs_old_logps`.
-        pi_topk_logps, mu_topk_logps: `(..., K+1)` log-probs over TopK(μ) ∪ {y_t} for the top-K divergences; when
-            absent under a top-K divergence, μ ≡ π is assumed and the binary form (which gives the same D = 0) is used.
-        entropies: the policy's entropy per token (for `dppo/masked_entropy_mean`).
-        staleness: ints in the tokens' shape (or one per sequence), policy versions between sampling and this step.
-        kept_log_mass: truncated sampling only: log π(kept), the log of the probability π gives the tokens the engine's
-            sampler kept at that position (`functional.kept_log_mass`), with its graph; the trust region then compares
-            log π_kept = `pi_logps − kept_log_mass` with μ, and the top-K lists are restricted to the kept ids.
-            `None` (untruncated sampling): π is the full softmax, bit for bit as without this field.
-        kept_overflow: bool, truncated sampling only: the engine's list may not hold the whole kept set, so π_kept is
-            unknown there; such tokens are not counted (weight 0, like an invalid μ) and are reported in
-            `dppo/kept_set_overflow_ratio`.
-    """
-
-    pi_logps: Tensor
-    mu_logps: Tensor
-    advantages: Tensor
-    tokens: Tensor
-    valid: Tensor
-    old_logps: Tensor | None = None
-    pi_topk_logps: Tensor | None = None
-    mu_topk_logps: Tensor | None = None
-    entropies: Tensor | None = None
-    staleness: Tensor | None = None
-    kept_log_mass: Tensor | None = None
-    kept_overflow: Tensor | None = None
-
-    @property
-    def counted(self) -> Tensor:
-        """Tokens that enter the trust region and its metrics: counted by the loss, with a valid μ and (truncated
-        sampling) a kept set the engine listed in full."""
-        counted = self.tokens.bool() & self.valid.bool()
-        return counted if self.kept_overflow is None else counted & ~self.kept_overflow.bool()
-
-    @property
-    def compared_logps(self) -> Tensor:
-        """log π as the trust region compares it with μ, with its graph: log π_kept under truncated sampling,
-        `pi_logps` itself (the same tensor) otherwise."""
-        if self.kept_log_mass is None:
-            return self.pi_logps
-        return self.pi_logps.float() - self.kept_log_mass.float()
-
-    @property
-    def has_topk(self) -> bool:
-        return self.pi_topk_logps is not None and self.mu_topk_logps is not None
-
-    def token_advantages(self) -> Tensor:
-        """A in the tokens' shape, float32, detached."""
-        adv = self.advantages.detach().float()
-        like = self.pi_logps
-        return (adv.unsqueeze(-1) if adv.dim() == 1 and like.dim() == 2 else adv).expand_as(like)
 
 
 @dataclass(frozen=True)
@@ -177,58 +111,3 @@ def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
         stats=stats,
         kept_correction=kept_correction,
     )
-
-
-def opened_clip_weight(coef: Tensor, pi_logps: Tensor, parent_old_logps: Tensor) -> Tensor:
-    """The weight `m` that turns GRPO's opened-clip term `−r·A·m`, `r = exp(log π − old)`, into eq. 11: `m = w / r`,
-    so `−r·A·m` has value `−A·w` and gradient `−A·w·∇log π`. Detached, computed in log space (r can underflow to 0
-    while 1/r overflows); 0 where `w` is 0."""
-    log_r = pi_logps.detach().float() - parent_old_logps.float()
-    return torch.where(coef > 0, torch.exp(torch.log(coef) - log_r), torch.zeros_like(coef))
-
-
-def aggregate_per_token_loss(
-    per_token: Tensor,
-    mask: Tensor,
-    loss_type: str,
-    *,
-    max_completion_length: int,
-    num_items_in_batch: Tensor | float | None = None,
-    num_processes: int = 1,
-    gradient_accumulation_steps: int = 1,
-    steps_per_generation: int = 1,
-    training: bool = True,
-) -> Tensor:
-    """Aggregate a `(B, T)` per-token loss exactly as `GRPOTrainer._compute_loss` aggregates its policy term.
-
-    Used for the μ-KL term of `DPPOTrainer`, the one term GRPOTrainer has no per-token slot for (it must act on A = 0
-    tokens, so it cannot ride on the policy weight). The normalisers of TRL 1.16, gradient-accumulation scaling
-    included (`training=False`: none, as in eval):
-
-    - `grpo`: per-sequence token mean, then the batch mean, / accumulation steps;
-    - `bnpo`: token mean over the micro-batch, / accumulation steps;
-    - `dr_grpo`: sum / (B · max_completion_length), / accumulation steps;
-    - `dapo`: sum / (num_items_in_batch / num_processes), × steps_per_generation / accumulation steps (training);
-    - `luspo`: per-sequence sum, then the batch mean, / accumulation steps.
-
-    `tests/integration/test_mu_kl.py` pins this against GRPOTrainer's real `_compute_loss` for every supported `loss_type`.
-    """
-    mask = mask.to(per_token.dtype)
-    accumulation = gradient_accumulation_steps if training else 1.0
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-    if loss_type == "bnpo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.size(0) * max_completion_length) / accumulation
-    if loss_type == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError("loss_type='dapo' needs `num_items_in_batch` (the generation batch's token count).")
-        items = torch.as_tensor(num_items_in_batch, dtype=per_token.dtype, device=per_token.device)
-        normalizer = items.clamp(min=1.0) / num_processes
-        if training:
-            normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
-        return (per_token * mask).sum() / normalizer
-    if loss_type == "luspo":
-        return (per_token * mask).sum(-1).mean() / accumulation
-    raise ValueError(f"aggregate_per_token_loss does not know loss_type={loss_type!r}.")

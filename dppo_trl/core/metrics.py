@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dppo_trl.core.functional import binary_kl
-
-if TYPE_CHECKING:
-    from dppo_trl.core.loss import LossInputs
-    from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.core.types import LossInputs
 
 # Guard for exp(log π − log μ) in the metrics only (the coefficient itself is computed overflow-free).
 _LOG_RATIO_METRIC_MAX = 80.0
-# GRPO's ratio-clip metrics. Both trainers replace the clip by the trust region, so the parents' clip metrics are
-# always 0 and are dropped rather than logged as if they meant something.
-PARENT_CLIP_METRICS = (
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "clip_ratio/low_min",
-    "clip_ratio/high_max",
-)
 
 
 def _bucket(staleness: Tensor, shape: torch.Size) -> Tensor:

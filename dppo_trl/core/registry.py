@@ -1,6 +1,6 @@
 """The trust regions `trust_region=` can select: DPPO (the default) and the paper's ablation baselines.
 
-Every entry has one signature, `coefficient(tokens: CoefficientInputs, spec: TrustRegionSpec) -> w`: the detached
+Every entry has one signature, `coefficient(tokens: CoefficientInputs, spec: TrustRegionSettings) -> w`: the detached
 per-token coefficient of `−A · w · ∇log π`. `dppo_trl.core.loss.policy_loss` calls it with D already computed, so an
 entry never recomputes the divergence. Adding a baseline is one decorated function here (its math in
 `dppo_trl.core.baselines`) plus its test; config validation, the docs table, the dispatch and the sanity benchmark's
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -25,38 +24,13 @@ from dppo_trl.core.baselines import (
     relaxed_clip_coefficient,
 )
 from dppo_trl.core.functional import dppo_coefficient
-
-if TYPE_CHECKING:
-    from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.core.types import CoefficientInputs, TrustRegionSettings
 
 # DAPO's Clip-Higher upper ε.
 CLIP_HIGHER_EPS_HIGH = 0.28
 
 
-@dataclass(frozen=True)
-class CoefficientInputs:
-    """What a coefficient sees of one loss call: detached float32 per-token tensors of one shape.
-
-    Attributes:
-        pi_logps: log π(y_t), the current policy.
-        mu_logps: log μ(y_t), the behavior policy (sanitised: finite everywhere).
-        advantages: A in the tokens' shape.
-        divergence: D(π, μ) of `divergence_name` (eqs. 13-16), computed once per loss call.
-        divergence_name: the divergence D was computed with (`TrustRegionSpec.divergence`, or its binary form when a
-            loss call carries no top-K lists).
-        old_logps: π_old, the trainer's recompute of the generating weights; only for `needs_old_logps` entries
-            (π itself when there was no recompute: on-policy, the generating weights are the current ones).
-    """
-
-    pi_logps: Tensor
-    mu_logps: Tensor
-    advantages: Tensor
-    divergence: Tensor
-    divergence_name: str
-    old_logps: Tensor | None = None
-
-
-Coefficient = Callable[[CoefficientInputs, "TrustRegionSpec"], Tensor]
+Coefficient = Callable[[CoefficientInputs, TrustRegionSettings], Tensor]
 
 
 @dataclass(frozen=True)
@@ -97,7 +71,7 @@ def register_trust_region(
 @register_trust_region(
     "dppo", "DPPO (eqs. 11-12): min(π/μ, C) · M, M masks moves away from μ with D > δ", uses_top_k=True
 )
-def _dppo(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _dppo(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     return dppo_coefficient(
         t.pi_logps,
         t.mu_logps,
@@ -111,33 +85,33 @@ def _dppo(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
 
 
 @register_trust_region("grpo_clip", "GRPO/PPO ratio clip on r = π/μ, ε = `epsilon`")
-def _grpo_clip(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _grpo_clip(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     return grpo_clip_coefficient(t.pi_logps, t.mu_logps, t.advantages, spec.epsilon, spec.epsilon)
 
 
 @register_trust_region("clip_higher", "Clip-Higher (DAPO): GRPO clip with ε_high = 0.28")
-def _clip_higher(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _clip_higher(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     return grpo_clip_coefficient(t.pi_logps, t.mu_logps, t.advantages, spec.epsilon, CLIP_HIGHER_EPS_HIGH)
 
 
 @register_trust_region("cispo", "CISPO: truncated IS min(π/μ, 5), no mask")
-def _cispo(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _cispo(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     return cispo_coefficient(t.pi_logps, t.mu_logps, t.advantages)
 
 
 @register_trust_region("pg_is", "importance-weighted policy gradient π/μ, no trust region")
-def _pg_is(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _pg_is(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     return pg_is_coefficient(t.pi_logps, t.mu_logps, t.advantages)
 
 
 @register_trust_region("minirl", "MiniRL: clip on π/π_old, IS weight π_old/μ", needs_old_logps=True)
-def _minirl(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _minirl(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     old = t.pi_logps if t.old_logps is None else t.old_logps
     return minirl_coefficient(t.pi_logps, t.mu_logps, t.advantages, old, spec.epsilon, spec.epsilon)
 
 
 @register_trust_region("dppo_decoupled", "DPPO with the mask taken against π_old instead of μ", needs_old_logps=True)
-def _dppo_decoupled(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+def _dppo_decoupled(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
     old = t.pi_logps if t.old_logps is None else t.old_logps
     return dppo_decoupled_coefficient(
         t.pi_logps, t.mu_logps, t.advantages, old, spec.divergence, spec.delta_low, spec.delta_high, spec.ratio_cap
@@ -145,7 +119,7 @@ def _dppo_decoupled(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
 
 
 def _register_relaxed(side: str, label: str) -> None:
-    def relaxed(t: CoefficientInputs, spec: TrustRegionSpec) -> Tensor:
+    def relaxed(t: CoefficientInputs, spec: TrustRegionSettings) -> Tensor:
         return relaxed_clip_coefficient(
             t.pi_logps, t.mu_logps, t.advantages, spec.relax_alpha, side, spec.epsilon, spec.epsilon
         )

@@ -7,13 +7,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dppo_trl.core.functional import DEFAULT_RATIO_CAP, DIVERGENCES, default_delta
+from dppo_trl.core.functional import DIVERGENCES, default_delta
 from dppo_trl.core.registry import TRUST_REGIONS, TrustRegion
+from dppo_trl.core.types import TrustRegionSettings
 
 
 @dataclass(frozen=True)
-class TrustRegionSpec:
-    """Everything a loss call needs to know about the trust region; `None` δs resolve to the authors' values.
+class TrustRegionSpec(TrustRegionSettings):
+    """Everything a loss call needs to know about the trust region (the coefficient's `TrustRegionSettings` and the
+    rest); `None` δs resolve to the authors' values.
 
     The field names are the configs' (`DPPOConfig`, `AsyncDPPOConfig`; docs/api.md documents each), so
     `TrustRegionSpec.from_config(args)` reads them by name. Construction validates, with the message a user of
@@ -21,14 +23,8 @@ class TrustRegionSpec:
     """
 
     trust_region: str = "dppo"
-    divergence: str = "binary_tv"
-    delta_low: float | None = None
-    delta_high: float | None = None
     divergence_top_k: int = 20
-    ratio_cap: float = DEFAULT_RATIO_CAP
     mu_kl_coef: float = 0.0
-    epsilon: float = 0.2
-    relax_alpha: float = 0.1
     max_staleness: int | None = None
 
     def __post_init__(self) -> None:

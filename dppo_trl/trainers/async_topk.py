@@ -3,7 +3,9 @@
 TRL 1.16's `AsyncRolloutWorker` asks the server for the sampled token's log-prob only (`"logprobs": 0`). For the
 top-K divergences (eqs. 15-16) every trained token also needs TopK(μ) ∪ {y_t}; under truncated sampling it needs
 the N-entry processed lists whose finite entries are the sampler's kept set (`AsyncDPPOTrainer` then builds the loop
-with `logprobs_top_k = N`; the lists have the same layout). The path, each step a subclass:
+with `logprobs_top_k = N`; the lists have the same layout). The path, each step a subclass; the subclasses of TRL's
+worker and loop (`TopKRolloutWorker`, `TopKRolloutLoop`) live in the async room, `dppo_trl.trainers.trl116.async_grpo`,
+and this module holds the lists' data side:
 
     TopKRolloutLoop._post                  the worker's `/v1/completions` request with `"logprobs": K` and ids as
                                            `token_id:N` keys; records each turn (prompt, output ids, top-K) of the
@@ -11,7 +13,7 @@ with `logprobs_top_k = N`; the lists have the same layout). The path, each step 
     TopKRolloutLoop._generate_one          TRL's rollout of one conversation (tools, environments, re-rendering),
                                            then `rows_topk`: where each sampled token landed in TRL's training rows
     TopKRolloutLoop._score_group           TRL's scoring; each `RolloutSample` becomes a `TopKRolloutSample`
-      → SampleVersionQueue / SampleMetrics (async_dppo_trainer.py): the lists ride on the sample's `metrics`
+      → SampleVersionQueue / SampleMetrics (trl116/async_grpo.py): the lists ride on the sample's `metrics`
       → SampleVersionCollator: `behavior_topk` lays them out in the packed loss-term order (`token_index`)
 
 Slot layout (as in `dppo_trl.trainers.vllm_topk` and `DPPOTrainer`): slot 0 is the sampled token y_t, slots 1..K are
@@ -26,7 +28,6 @@ identical to TRL's (checked), and the id in slot 0 must be the row's token there
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -35,22 +36,19 @@ from typing import Any
 import numpy as np
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import (
-    AsyncRolloutWorker,
     RolloutSample,
     TrainingSequence,
     TurnRecord,
-    _AsyncRolloutLoop,
     _chain_to_sequences,
 )
 
+from dppo_trl.trainers.kept_set import VLLM_LOGPROB_FLOOR
 from dppo_trl.trainers.vllm_topk import PAD_ID, topk_entries_to_tensors
 
 __all__ = [
     "BEHAVIOR_TOPK_IDS",
     "BEHAVIOR_TOPK_LOGPS",
-    "TopKRolloutLoop",
     "TopKRolloutSample",
-    "TopKRolloutWorker",
     "TopKTrainingSequence",
     "behavior_topk",
     "completion_topk",
@@ -61,8 +59,6 @@ __all__ = [
 BEHAVIOR_TOPK_IDS = "dppo_behavior_topk_ids"
 BEHAVIOR_TOPK_LOGPS = "dppo_behavior_topk_logps"
 
-# vLLM's completions endpoint writes a −inf log-prob as this JSON number (OpenAI's convention).
-_JSON_NEG_INF = -9999.0
 _TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -87,7 +83,7 @@ def completion_topk(choice: dict[str, Any], k: int) -> tuple[np.ndarray, np.ndar
                     "`return_tokens_as_token_ids` (a token string can stand for several ids)."
                 )
             value = float("nan") if logp is None else float(logp)
-            pairs.append((int(key[len(_TOKEN_ID_PREFIX) :]), -math.inf if value <= _JSON_NEG_INF else value))
+            pairs.append((int(key[len(_TOKEN_ID_PREFIX) :]), -math.inf if value <= VLLM_LOGPROB_FLOOR else value))
         pairs.sort(key=lambda pair: -pair[1] if pair[1] == pair[1] else math.inf)  # rank order, NaN last
         entry_ids.append([i for i, _ in pairs])
         entry_logps.append([lp for _, lp in pairs])
@@ -150,78 +146,6 @@ def rows_topk(
         fields = {f.name: getattr(row, f.name) for f in dataclasses.fields(TrainingSequence)}
         out.append(TopKTrainingSequence(**fields, topk_ids=ids, topk_logps=logps))
     return out
-
-
-def _current_task() -> asyncio.Task:
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
-    return task
-
-
-class TopKRolloutLoop(_AsyncRolloutLoop):
-    """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
-    on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
-    advantages — is TRL's."""
-
-    def __init__(self, *, logprobs_top_k: int, **kwargs: Any):
-        super().__init__(**kwargs)
-        if logprobs_top_k < 1:
-            raise ValueError(f"logprobs_top_k must be >= 1, got {logprobs_top_k}.")
-        self.logprobs_top_k = logprobs_top_k
-        # The turns (TurnRecord, top-K) of each conversation being rolled out, by the asyncio task that runs it:
-        # TRL runs one `_generate_one` per task, and its completions requests are awaited inside that task.
-        self._turns_by_task: dict[asyncio.Task, list[tuple[TurnRecord, tuple[np.ndarray, np.ndarray]]]] = {}
-
-    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
-        if path != "/v1/completions":
-            return await super()._post(path, payload, timeout, max_retries)
-        turns = self._turns_by_task.get(_current_task())
-        if turns is None:
-            raise RuntimeError("TopKRolloutLoop samples only inside `_generate_one` (one conversation per task).")
-        payload = {**payload, "logprobs": self.logprobs_top_k, "return_tokens_as_token_ids": True}
-        content = await super()._post(path, payload, timeout, max_retries)
-        choice = content["choices"][0]
-        topk = completion_topk(choice, self.logprobs_top_k)
-        turns.append((TurnRecord(list(payload["prompt"]), list(choice["token_ids"])), topk))
-        return content
-
-    async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
-        task = _current_task()
-        turns = self._turns_by_task[task] = []
-        try:
-            completion, completion_ids, rows, *rest = await super()._generate_one(prompt, tool_dict, tools, group_id)
-        finally:
-            del self._turns_by_task[task]
-        return (completion, completion_ids, rows_topk(turns, rows, self._fork_threshold_tokens), *rest)
-
-    async def _score_group(self, group) -> list[RolloutSample]:
-        samples = await super()._score_group(group)
-        rows = [row for conversation in group.completions_sequences for row in conversation]
-        if len(rows) != len(samples) or any(
-            not isinstance(row, TopKTrainingSequence) or not np.array_equal(row.input_ids, s.input_ids)
-            for row, s in zip(rows, samples)
-        ):
-            raise RuntimeError("TRL's scored samples no longer follow its training rows one to one.")
-        return [
-            TopKRolloutSample(
-                **{f.name: getattr(s, f.name) for f in dataclasses.fields(RolloutSample)},
-                topk_ids=row.topk_ids,
-                topk_logps=row.topk_logps,
-            )
-            for s, row in zip(samples, rows)
-        ]
-
-
-class TopKRolloutWorker(AsyncRolloutWorker):
-    """TRL's rollout worker running `TopKRolloutLoop` (pass `logprobs_top_k=K` with TRL's worker arguments)."""
-
-    _loop_cls = TopKRolloutLoop
-
-    @classmethod
-    def like(cls, worker: AsyncRolloutWorker, logprobs_top_k: int) -> TopKRolloutWorker:
-        """A not-yet-started worker with `worker`'s arguments (those `AsyncGRPOTrainer` built it with) plus K."""
-        return cls(**worker._loop_kwargs, logprobs_top_k=logprobs_top_k)
 
 
 def behavior_topk(samples_per_row: list[list[dict[str, Any]]], batch: dict[str, torch.Tensor]):

@@ -60,7 +60,7 @@ def resolve_kept_set_size(config: Any, limit: int) -> int | None:
         return None
     top_k = sampling_truncation(config)[0]
     n = config.kept_set_logprobs or (top_k if 0 < top_k <= limit else limit)
-    return max(n, config.divergence_top_k) if config.uses_top_k else n
+    return max(n, config.divergence_top_k) if config.trust_region_spec().uses_top_k else n
 
 
 def check_kept_set(config: Any, n: int | None, colocate: bool) -> None:
@@ -188,11 +188,6 @@ class TrustRegionFields:
         default=0.1,
         metadata={"help": "α of the `relax_*` ablations: tokens whose behavior probability μ is below α are relaxed."},
     )
-
-    @property
-    def uses_top_k(self) -> bool:
-        """Whether the divergence needs μ's top-K log-probs."""
-        return self.divergence.startswith("topk_")
 
     def trust_region_spec(self) -> TrustRegionSpec:
         """The validated, frozen spec of these fields (δs resolved) that the loss reads."""
@@ -349,7 +344,7 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
                     f"kept_set_logprobs ≤ {VLLM_COLOCATE_MAX_LOGPROBS}, or vllm_mode='server' with `--max-logprobs`."
                 )
         check_kept_set(self, self.kept_set_size, colocate=self.use_vllm and self.vllm_mode == "colocate")
-        if self.uses_top_k:
+        if self.trust_region_spec().uses_top_k:
             if self.use_vllm and self.vllm_mode == "colocate" and self.divergence_top_k > VLLM_COLOCATE_MAX_LOGPROBS:
                 raise ValueError(
                     f"divergence_top_k={self.divergence_top_k} exceeds vLLM's `max_logprobs` "

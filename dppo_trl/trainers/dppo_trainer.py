@@ -1,30 +1,19 @@
 """`DPPOTrainer`: GRPOTrainer with DPPO's divergence trust region anchored on the rollout engine's μ.
 
-DPPO's loss is `dppo_trl.core.loss.policy_loss` (eq. 11 with the trust region of `args.trust_region`). This module is
-the adapter that makes GRPOTrainer's own `_compute_loss` apply it, so the entropy mask, β-KL (bias-corrected too),
-the five aggregations, the entropy bonus, the MoE aux loss and gradient-accumulation scaling stay TRL's:
+DPPO's loss is `dppo_trl.core.loss.policy_loss` (eq. 11 with the trust region of `args.trust_region`). `DPPOTrainer`
+subclasses `HookedGRPOTrainer` (`dppo_trl.trainers.trl116.grpo`, the room where TRL 1.16's bridging lives) and
+implements its policy-loss hook, one method that reads top to bottom:
 
-    DPPOTrainer._compute_loss(model, inputs)
-      └ GRPOTrainer._compute_loss(model, inputs)          π = self._get_per_token_logps_and_entropies(...)
-          └ self.get_off_policy_mask(advantages, π, μ, mask)   ← DPPO's weight m, at TRL's per-token mask slot
-            = self._off_policy_mask(...) → self._dppo_weight(call, ...)
-                  └ policy_loss(spec, LossInputs(π, μ, A, ...)) → coef w, D, μ-KL, stats
-                  └ m = opened_clip_weight(w, π, μ)
-          per-token term −r·A·m (clip opened, r = π/μ) = eq. 11: value −A·w, gradient −A·w·∇log π
-      + the μ-KL term, aggregated like the policy term; `dppo/*` metrics logged once
+    DPPOTrainer._policy_loss_terms(inputs, policy)          called by the parent's loss, where π first appears
+      ├ batch = _with_behavior_invariants(inputs)              μ sanitised
+      ├ loss_inputs = self._loss_inputs(batch, policy)         LossInputs(π, μ, A, ...), π at the engine's lists
+      ├ outputs = policy_loss(self.trust_region_spec, loss_inputs)
+      ├ self._log_trust_region(batch, loss_inputs, outputs)    `dppo/*` metrics, observers
+      └ PolicyTerms(coef=w, extra=μ-KL, policy_extra=kept-set correction)
+    which the parent aggregates: −A·w·∇log π as GRPOTrainer's own policy term (its entropy mask, β-KL — bias-corrected
+    too —, the five aggregations, entropy bonus, MoE aux loss, gradient-accumulation scaling), plus the extra terms.
 
-What TRL 1.16 offers no seam for, and how this adapter bridges it (each pinned in tests/trl_contract.py; the TRL
-change that removes it is in docs/upstream.md):
-
-1. μ is the parent's `old_per_token_logps` (the engine's log-probs written at generation), so `r = π/μ`;
-2. the parent's ratio clip is opened (`epsilon_low = 1`, `epsilon_high = ∞`) and `off_policy_mask_threshold = ∞`
-   makes the parent call its mask hook (a user's own OPSM threshold still multiplies in);
-3. the mask hook is static in TRL (`_StaticOnClassBoundOnInstance` keeps it TRL's on the class and binds it on the
-   instance) and receives π but not the batch: `_compute_loss` hands the batch to it through `self._loss_call`, an
-   instance slot set for the duration of that one parent call and cleared after, even on error;
-4. GRPOTrainer runs a no-grad π_old pass whenever generation and optimisation are misaligned; DPPO anchors on μ, so
-   `_get_per_token_logps_and_entropies` declines that pass (`_decline_old_pass`) instead of paying a forward.
-
+Generation attaches μ (the engine's log-probs), its top-K or kept-set lists and their validity to the batch.
 `tests/integration/test_loss_gradient.py` checks the gradient against eq. 11 through the parent's real `_compute_loss`.
 """
 
@@ -34,8 +23,6 @@ import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from trl import GRPOTrainer
@@ -46,30 +33,30 @@ from dppo_trl.backends.cpu.engine import EngineOptions
 from dppo_trl.backends.cpu.threads import cpu_colocate_threads, trainer_cpu_threads
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync
 from dppo_trl.backends.http import bound_server_requests
-from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
-from dppo_trl.core.loss import LossInputs, LossOutputs, aggregate_per_token_loss, opened_clip_weight, policy_loss
+from dppo_trl.core.functional import sanitize_behavior_logps
+from dppo_trl.core.loss import LossInputs, LossOutputs, policy_loss
 from dppo_trl.core.metrics import observer_record
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
 from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
 from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
 from dppo_trl.hardening.training import hardened_training
-from dppo_trl.kernels.topk_logps import (
-    LogitTransform,
-    chunked_topk_logps,
-    logps_at_ids_from_sampled,
-    logps_at_ids_with_grad,
+from dppo_trl.kernels.engine_view import (
+    EngineListView,
+    engine_list_view,
+    full,
+    lm_head,
+    logit_transform,
 )
+from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.trl116.grpo import HookedGRPOTrainer, PolicyPass, PolicyTerms
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
 logger = logging.getLogger(__name__)
 
-# μ of a valid token is clamped here before GRPOTrainer exponentiates `log π − μ`: exp(60) is finite in fp32, and the
-# weight returned by `get_off_policy_mask` is computed against the clamped value, so the product stays exact.
-_MU_FLOOR = -60.0
 # Extra per-row keys DPPOTrainer adds to the generation batch (batch-major, so TRL's shuffle/split keeps them aligned).
 BEHAVIOR_LOGPS = "dppo_behavior_logps"
 BEHAVIOR_VALID = "dppo_behavior_valid"
@@ -83,47 +70,7 @@ BEHAVIOR_KEPT_LOGPS = "dppo_behavior_kept_logps"
 BEHAVIOR_KEPT_OVERFLOW = "dppo_behavior_kept_overflow"
 
 
-@dataclass
-class _LossCall:
-    """What one DPPOTrainer call into the parent hands the parent's seams, and what they hand back.
-
-    Attributes:
-        want_hidden: the log-prob pass keeps the final hidden states (top-K divergences, kept set).
-        hidden_with_graph: ... with their graph (the kept set's log-mass needs the gradient of π at the kept ids).
-        batch: loss calls only: the batch (μ, its validity, π_old, μ's top-K).
-        hidden, entropies: written by the log-prob pass.
-        inputs, outputs, mask: written by the mask hook: the core's inputs and outputs for this call.
-    """
-
-    want_hidden: bool
-    hidden_with_graph: bool = False
-    batch: dict | None = None
-    hidden: torch.Tensor | None = None
-    entropies: torch.Tensor | None = None
-    inputs: LossInputs | None = None
-    outputs: LossOutputs | None = None
-    mask: torch.Tensor | None = None
-
-
-class _StaticOnClassBoundOnInstance(staticmethod):
-    """A TRL static hook that stays TRL's on the class and is an instance method of the trainer on an instance.
-
-    GRPOTrainer declares `get_off_policy_mask` static and calls it as `self.get_off_policy_mask(...)`; code that calls
-    it on the class (`DPPOTrainer.get_off_policy_mask(...)`, as TRL's own tests do) gets TRL's function, and
-    `trainer.get_off_policy_mask` is `trainer.<method_name>`, which can read the trainer's loss call.
-    """
-
-    def __init__(self, function, method_name: str):
-        super().__init__(function)
-        self.method_name = method_name
-
-    def __get__(self, instance, owner=None):
-        if instance is None:
-            return self.__func__
-        return getattr(instance, self.method_name)
-
-
-class DPPOTrainer(GRPOTrainer):
+class DPPOTrainer(HookedGRPOTrainer):
     """Trainer for Divergence Proximal Policy Optimization (DPPO).
 
     A drop-in replacement for [`~trl.GRPOTrainer`] — same constructor arguments — that takes a [`DPPOConfig`]. See the
@@ -152,8 +99,8 @@ class DPPOTrainer(GRPOTrainer):
         self._has_rollout_func = params.get("rollout_func") is not None  # μ then comes from the user's engine
         # Before the model is built: a wrong launch otherwise fails deep in DeepSpeed or silently runs plain DDP.
         check_distributed_setup(config)
-        # TRL's vLLM symbols are patched only while the parent builds the engine/client, then restored: CPU engine
-        # defaults and the file-based weight sync on the CPU only; the API-key header on any device (construction.py).
+        # TRL's vLLM symbols are patched only while the parent builds the engine/client (CPU engine defaults; a
+        # client with a file-based weight sync when the trainer's device is the CPU), then restored.
         with trainer_construction_patches(
             config.use_vllm, config.vllm_mode, EngineOptions.from_config(config), device=config.device
         ):
@@ -168,15 +115,6 @@ class DPPOTrainer(GRPOTrainer):
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
 
         self.trust_region_spec = self.args.trust_region_spec()
-        # Seam 3 (module docstring): the per-call slot the parent's seams read; `None` outside a DPPO call.
-        self._loss_call: _LossCall | None = None
-        # Seam 4: set while the parent generates a batch whose π_old pass DPPO declines.
-        self._decline_old_pass = False
-        # Seam 2: open GRPO's ratio clip: DPPO's trust region is the weight returned by `get_off_policy_mask`.
-        self.epsilon_low, self.epsilon_high = 1.0, math.inf
-        # A non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if any)
-        # still applies on top, through `self.args.off_policy_mask_threshold`.
-        self.off_policy_mask_threshold = math.inf
         # Research hooks: each is called with the per-token tensors of every loss call (`_log_trust_region`).
         self.trust_region_observers: list = []
         self._vllm_topk: VLLMTopKCapture | None = None
@@ -186,7 +124,7 @@ class DPPOTrainer(GRPOTrainer):
             self._check_vllm_server()
             if self._kept_set_size is not None:
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self._kept_set_size)
-            elif self.args.uses_top_k and self.args.anchor == "behavior":
+            elif self.trust_region_spec.uses_top_k and self.args.anchor == "behavior":
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self.args.divergence_top_k)
             if self._vllm_topk is not None:
                 gen_kwargs = self.vllm_generation.generation_kwargs
@@ -196,17 +134,68 @@ class DPPOTrainer(GRPOTrainer):
                     gen_kwargs.setdefault("detokenize", False)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Seams (each a thin wrapper around GRPOTrainer's method)
+    # The loss: one hook of the parent, top to bottom
+    # ------------------------------------------------------------------------------------------------------------
+    def _policy_loss_terms(self, inputs: dict, policy: PolicyPass) -> PolicyTerms:
+        """DPPO's per-token policy term for the parent to aggregate: eq. 11's coefficient w, the μ-KL term and (truncated
+        sampling) the kept-set correction."""
+        batch = _with_behavior_invariants(inputs)
+        loss_inputs = self._loss_inputs(batch, policy)
+        outputs = policy_loss(self.trust_region_spec, loss_inputs)
+        self._log_trust_region(batch, loss_inputs, outputs)
+        return PolicyTerms(coef=outputs.coef, extra=outputs.mu_kl, policy_extra=outputs.kept_correction)
+
+    def _loss_inputs(self, batch: dict, policy: PolicyPass) -> LossInputs:
+        """The core's per-token inputs of one loss call: π from the parent's pass, μ and its lists from the batch."""
+        per_token_logps = policy.per_token_logps
+        with torch.no_grad():
+            tokens = policy.mask.bool()
+            if BEHAVIOR_LOGPS not in batch:
+                # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
+                mu_logps, valid = per_token_logps.detach().float(), torch.ones_like(tokens)
+            else:
+                mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
+        view = EngineListView()
+        if self._wants_hidden_states(batch):
+            view = self._engine_list_view(batch, policy.hidden, per_token_logps, tokens & valid)
+        old = batch.get(RECOMPUTED_LOGPS)
+        return LossInputs(
+            pi_logps=per_token_logps,
+            mu_logps=mu_logps,
+            advantages=policy.advantages,
+            tokens=tokens,
+            valid=valid,
+            old_logps=old.float() if old is not None else None,
+            pi_topk_logps=view.pi_topk_logps,
+            mu_topk_logps=view.mu_topk_logps,
+            entropies=policy.entropies,
+            kept_log_mass=view.kept_log_mass,
+            kept_overflow=batch[BEHAVIOR_KEPT_OVERFLOW].bool() if BEHAVIOR_KEPT_IDS in batch else None,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What the parent asks of the batch (`HookedGRPOTrainer`'s other hooks)
+    # ------------------------------------------------------------------------------------------------------------
+    def _needs_old_per_token_logps(self) -> bool:
+        """The parent's π_old pass runs only when its π_old is used (`_discards_parent_old_logps`)."""
+        return super()._needs_old_per_token_logps() and not self._discards_parent_old_logps()
+
+    def _wants_hidden_states(self, inputs: dict) -> bool:
+        """The final hidden states, for π at the engine's listed ids (top-K divergences, the kept set)."""
+        return BEHAVIOR_KEPT_IDS in inputs or (self.trust_region_spec.uses_top_k and BEHAVIOR_TOPK_IDS in inputs)
+
+    def _anchor_logps(self, inputs: dict) -> torch.Tensor | None:
+        """μ, the behavior policy's log-probs (sanitised), once the batch carries them."""
+        return _with_behavior_invariants(inputs).get(BEHAVIOR_LOGPS)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation
     # ------------------------------------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
-        """Generate with the parent, then make `old_per_token_logps` the behavior policy μ and attach μ's top-K."""
+        """Generate with the parent, then attach μ (also as the anchor in the parent's π_old slot) and its lists."""
         if self._vllm_topk is not None:
             self._vllm_topk.reset()
-        self._decline_old_pass = self._parent_recomputes_old_logps() and self._discards_parent_old_logps()
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._decline_old_pass = False
+        output = super()._generate_and_score_completions(inputs)
         mask = (
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
@@ -230,7 +219,7 @@ class DPPOTrainer(GRPOTrainer):
             output[BEHAVIOR_KEPT_OVERFLOW] = kept_set_overflow(lists, self._kept_set_size, top_k) & mask.bool()
         elif topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
-        return output
+        return self._with_anchor_in_old_slot(output)
 
     def _check_liger_device(self) -> None:
         """`use_liger_kernel=True` needs CUDA: Liger's Triton layer kernels fail on the first forward elsewhere."""
@@ -251,122 +240,6 @@ class DPPOTrainer(GRPOTrainer):
         engine_mu = self.args.use_vllm or self._has_rollout_func
         region = self.trust_region_spec.region
         return engine_mu and self.args.anchor == "behavior" and not region.needs_old_logps
-
-    def _parent_recomputes_old_logps(self) -> bool:
-        """GRPOTrainer 1.16's own condition for its no-grad π_old pass in `_generate_and_score_completions`
-        (misaligned generation and optimisation, or vLLM IS correction; pinned in tests/trl_contract.py)."""
-        steps_per_generation = self.args.steps_per_generation
-        assert steps_per_generation is not None  # GRPOConfig.__post_init__ resolves None
-        generate_every = steps_per_generation * self.args.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.args.use_vllm and self.args.vllm_importance_sampling_correction
-        )
-
-    @contextlib.contextmanager
-    def _calling_parent(self, call: _LossCall) -> Iterator[_LossCall]:
-        """Make `call` the parent seams' slot for the duration of the block (cleared even on error)."""
-        if self._loss_call is not None:
-            raise RuntimeError("DPPOTrainer calls into GRPOTrainer are not re-entrant.")
-        self._loss_call = call
-        try:
-            yield call
-        finally:
-            self._loss_call = None
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """Parent's fused log-prob pass; inside a DPPO call (`_calling_parent`), also keep the hidden states and
-        entropies. While generating a batch whose π_old DPPO does not use, decline the parent's π_old pass: in
-        GRPOTrainer 1.16 it is the first policy pass after sampling whenever `_parent_recomputes_old_logps()` (source
-        order pinned), and `(None, None, None)` is what the parent then stores as "no π_old"."""
-        if self._decline_old_pass:
-            self._decline_old_pass = False
-            return None, None, None
-        capture = self._loss_call
-        if capture is None:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-        hiddens: list[torch.Tensor] = []
-        handle = None
-        if capture.want_hidden:
-            handle = _backbone(self.accelerator.unwrap_model(model)).register_forward_hook(
-                lambda _module, _inputs, out: hiddens.append(
-                    _last_hidden_state(out) if capture.hidden_with_graph else _last_hidden_state(out).detach()
-                )
-            )
-        try:
-            result = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-        finally:
-            if handle is not None:
-                handle.remove()
-        if hiddens:
-            # Hidden state at position i predicts token i+1, so the completion tokens are scored from [-T-1, -1).
-            capture.hidden = torch.cat(hiddens, dim=0)[:, -logits_to_keep - 1 : -1]
-        capture.entropies = result[1]
-        return result
-
-    def _compute_loss(self, model, inputs):
-        """Parent's loss with DPPO's per-token weight at its mask slot (`get_off_policy_mask`), plus the μ-KL term."""
-        inputs = _with_behavior_invariants(inputs)
-        kept = BEHAVIOR_KEPT_IDS in inputs
-        call = _LossCall(
-            want_hidden=kept or (self.args.uses_top_k and BEHAVIOR_TOPK_IDS in inputs),
-            hidden_with_graph=kept,
-            batch=inputs,
-        )
-        with self._calling_parent(call):
-            loss = super()._compute_loss(model, inputs)
-        if call.outputs is None or call.inputs is None or call.mask is None:
-            raise RuntimeError("GRPOTrainer._compute_loss did not call `get_off_policy_mask`: see trl_contract.py.")
-        mode = "train" if self.model.training else "eval"
-        if call.outputs.mu_kl is not None:
-            loss = loss + self._aggregate_like_policy(call.outputs.mu_kl, call.mask, inputs)
-        if call.outputs.kept_correction is not None:
-            # The parent's term has gradient −A·w·∇log π; this one adds A·w·∇log π(kept), so their sum is eq. 11 with
-            # π_kept. It is part of the policy term, so GRPOTrainer's entropy mask (if any) applies to it as well.
-            correction = call.outputs.kept_correction
-            if self.args.top_entropy_quantile < 1.0 and call.entropies is not None:
-                correction = correction * self.get_high_entropy_mask(
-                    call.entropies, call.mask, 1 - self.args.top_entropy_quantile
-                )
-            loss = loss + self._aggregate_like_policy(correction, call.mask, inputs)
-        self._log_trust_region(call, mode)
-        return loss
-
-    def _aggregate_like_policy(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
-        """A per-token term GRPOTrainer has no slot for, aggregated exactly like its policy term."""
-        return aggregate_per_token_loss(
-            per_token,
-            mask,
-            self.args.loss_type,
-            max_completion_length=self.args.max_completion_length,
-            num_items_in_batch=inputs.get("num_items_in_batch"),
-            num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-            steps_per_generation=self.args.steps_per_generation,
-            training=self.model.training,
-        )
-
-    def _off_policy_mask(
-        self,
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """What `self.get_off_policy_mask(...)` is on a DPPOTrainer: the per-token weight GRPOTrainer's loss multiplies
-        its policy term by. DPPO's `opened_clip_weight` inside a DPPO loss call, TRL's OPSM mask anywhere else."""
-        call = self._loss_call
-        if call is None or call.batch is None:
-            return GRPOTrainer.get_off_policy_mask(
-                advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
-            )
-        return self._dppo_weight(call, advantages, per_token_logps, sampling_per_token_logps, mask)
-
-    get_off_policy_mask = _StaticOnClassBoundOnInstance(GRPOTrainer.get_off_policy_mask, "_off_policy_mask")
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card with honest provenance and versions, plus the DPPO settings (`write_model_card`, shared
@@ -422,7 +295,7 @@ class DPPOTrainer(GRPOTrainer):
         - transformers `generate`, on-policy: `None` — μ ≡ π and the parent falls back to `π.detach()`.
         - `anchor="recompute"` (ablation): the trainer's π_old, recomputed here if the parent did not.
         """
-        want_topk = self.args.uses_top_k
+        want_topk = self.trust_region_spec.uses_top_k
         topk = None
         if self.args.anchor == "recompute":
             behavior = output.get("old_per_token_logps")
@@ -460,24 +333,24 @@ class DPPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].size(1)
-        with self._calling_parent(_LossCall(want_hidden=want_topk)) as capture:
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=self.args.per_device_train_batch_size,
-            )
+        logps, hidden = self._logps_and_hidden(
+            self.model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=self.args.per_device_train_batch_size,
+            want_hidden=want_topk,
+        )
         if not want_topk:
             return logps, None
-        if capture.hidden is None:
+        if hidden is None:
             raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
         k = self.args.divergence_top_k
         valid = mask.bool()
-        weight, bias = self._lm_head_params()
+        weight, bias = lm_head(self.accelerator.unwrap_model(self.model))
         with maybe_gather_lm_head_ctx(weight, bias):
             top_logps, top_ids = chunked_topk_logps(
-                capture.hidden[valid], _full(weight), k, bias=_full(bias), transform=self._logit_transform()
+                hidden[valid], full(weight), k, bias=full(bias), transform=self._logit_transform()
             )
         ids = torch.full((*mask.shape, k + 1), -1, dtype=torch.long, device=mask.device)
         slot_logps = torch.full((*mask.shape, k + 1), -math.inf, dtype=torch.float32, device=mask.device)
@@ -491,137 +364,45 @@ class DPPOTrainer(GRPOTrainer):
         slot_logps[valid] = torch.cat([logps[valid].float().unsqueeze(-1), rest_logps], dim=-1)
         return logps, (ids, slot_logps)
 
-    def _dppo_weight(self, call: _LossCall, advantages, per_token_logps, sampling_per_token_logps, mask):
-        """The detached weight the parent multiplies `−r·A` by: `opened_clip_weight` of the core's coefficient.
-
-        Called by the parent's mask hook, where π first appears; records the core's inputs and outputs in `call`.
-        """
-        batch = call.batch
-        assert batch is not None
-        with torch.no_grad():
-            tokens = mask.bool()
-            if BEHAVIOR_LOGPS not in batch:
-                # On-policy transformers generation: μ ≡ π, so D = 0, r = 1 and nothing is masked.
-                mu_logps, valid = per_token_logps.detach().float(), torch.ones_like(tokens)
-            else:
-                mu_logps, valid = batch[BEHAVIOR_LOGPS].float(), batch[BEHAVIOR_VALID].bool()
-            topk = None
-            if call.want_hidden and BEHAVIOR_KEPT_IDS not in batch:
-                topk = self._pi_topk(call, per_token_logps.detach().float(), tokens & valid)
-        log_mass = overflow = None
-        if BEHAVIOR_KEPT_IDS in batch:
-            log_mass, overflow, topk = self._pi_kept(call, per_token_logps, tokens & valid)
-        old = batch.get(RECOMPUTED_LOGPS)
-        inputs = LossInputs(
-            pi_logps=per_token_logps,
-            mu_logps=mu_logps,
-            advantages=advantages,
-            tokens=tokens,
-            valid=valid,
-            old_logps=old.float() if old is not None else None,
-            pi_topk_logps=topk[0] if topk else None,
-            mu_topk_logps=topk[1] if topk else None,
-            entropies=call.entropies,
-            kept_log_mass=log_mass,
-            kept_overflow=overflow,
-        )
-        outputs = policy_loss(self.trust_region_spec, inputs)
-        with torch.no_grad():
-            parent_old = batch.get("old_per_token_logps")
-            weight = opened_clip_weight(
-                outputs.coef, per_token_logps, per_token_logps.detach() if parent_old is None else parent_old
-            )
-            if self.args.off_policy_mask_threshold is not None:
-                weight = weight * GRPOTrainer.get_off_policy_mask(
-                    advantages=advantages,
-                    per_token_logps=per_token_logps,
-                    sampling_per_token_logps=sampling_per_token_logps,
-                    mask=mask,
-                    off_policy_threshold=self.args.off_policy_mask_threshold,
-                )
-        call.inputs, call.outputs, call.mask = inputs, outputs, mask
-        return weight.to(per_token_logps.dtype)
-
-    def _log_trust_region(self, call: _LossCall, mode: str) -> None:
+    def _log_trust_region(self, batch: dict, inputs: LossInputs, outputs: LossOutputs) -> None:
         """Once per loss call: hand the per-token view to `trust_region_observers`, log the `dppo/*` metrics."""
-        assert call.inputs is not None and call.outputs is not None and call.batch is not None
+        mode = "train" if self.model.training else "eval"
         if self.trust_region_observers:
             record = {
-                "completion_ids": call.batch["completion_ids"],
-                **observer_record(call.inputs, call.outputs.coef, call.outputs.divergence),
+                "completion_ids": batch["completion_ids"],
+                **observer_record(inputs, outputs.coef, outputs.divergence),
                 "mode": mode,
             }
             for observer in self.trust_region_observers:
                 observer(record)
-        log_trust_region_metrics(self, call.outputs.stats, mode)
+        log_trust_region_metrics(self, outputs.stats, mode)
 
-    def _pi_topk(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
-        """π's log-probs at μ's TopK ∪ {y} ids, from the hidden states the call captured (no `[B, T, V]` logits)."""
-        capture, batch = call, call.batch
-        assert batch is not None
-        ids, mu_topk = batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS].float()
-        if capture.hidden is None:
-            raise RuntimeError("DPPO top-K needs the policy's final hidden states, but none were captured.")
-        weight, bias = self._lm_head_params()
-        pi_topk = torch.full_like(mu_topk, -math.inf)
-        with maybe_gather_lm_head_ctx(weight, bias):
-            pi_topk[valid] = logps_at_ids_from_sampled(
-                capture.hidden[valid],
-                _full(weight),
-                ids[valid],
-                ids[valid][:, 0],
-                pi_logps[valid],
-                bias=_full(bias),
-                transform=self._logit_transform(),
-            )
-        # Rows outside `valid` must not leak into the divergence: give both sides identical padding.
-        mu_topk = torch.where(valid.unsqueeze(-1), mu_topk, torch.full_like(mu_topk, -math.inf))
-        return pi_topk, mu_topk
-
-    def _pi_kept(self, call: _LossCall, pi_logps: torch.Tensor, valid: torch.Tensor):
-        """Truncated sampling: `(log π(kept), overflow, top-K lists or None)` for the core.
-
-        π's log-probs at the engine's listed ids come from the hidden states with their graph
-        (`logps_at_ids_with_grad`, J + 1 dot products per token, no `[B, T, V]` logits), so log π(kept) carries the
-        gradient of every kept id; the kept ids are those with a finite μ in the engine's list. Under a top-K
-        divergence its lists are the first K + 1 slots (y_t and TopK(μ)), restricted to the kept ids by the core.
-        """
-        batch = call.batch
-        assert batch is not None
-        if call.hidden is None:
-            raise RuntimeError("DPPO's kept set needs the policy's final hidden states, but none were captured.")
-        ids, mu_lists = batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS].float()
-        weight, bias = self._lm_head_params()
-        pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
+    def _engine_list_view(self, batch: dict, hidden, pi_logps: torch.Tensor, valid: torch.Tensor) -> EngineListView:
+        """π at the engine's listed ids of this batch: μ's top-K lists, or the kept set's (truncated sampling)."""
+        kept = BEHAVIOR_KEPT_IDS in batch
+        ids, mu_lists = (
+            (batch[BEHAVIOR_KEPT_IDS], batch[BEHAVIOR_KEPT_LOGPS])
+            if kept
+            else (batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS])
+        )
+        weight, bias = lm_head(self.accelerator.unwrap_model(self.model))
         # ZeRO-3: the head is gathered for the forward here and again by the gather's own backward (as TRL's head does).
         with maybe_gather_lm_head_ctx(weight, bias):
-            pi_lists[valid] = logps_at_ids_with_grad(
-                call.hidden[valid],
-                _full(weight),
-                ids[valid],
-                ids[valid][:, 0],
-                pi_logps[valid].float(),
-                bias=_full(bias),
-                transform=self._logit_transform(),
+            return engine_list_view(
+                hidden,
+                weight,
+                bias,
+                self._logit_transform(),
+                ids,
+                mu_lists.float(),
+                pi_logps,
+                valid,
+                kept_set=kept,
+                top_k=self.trust_region_spec.divergence_top_k if self.trust_region_spec.uses_top_k else None,
             )
-        kept = torch.isfinite(mu_lists) & (ids >= 0) & valid.unsqueeze(-1)
-        log_mass = kept_log_mass(pi_lists, kept)
-        topk = None
-        if self.args.uses_top_k:
-            width = self.args.divergence_top_k + 1
-            mu_topk = torch.where(
-                valid.unsqueeze(-1), mu_lists[..., :width], torch.full_like(mu_lists[..., :width], -math.inf)
-            )
-            topk = (pi_lists[..., :width].detach(), mu_topk)
-        return log_mass, batch[BEHAVIOR_KEPT_OVERFLOW].bool(), topk
-
-    def _lm_head_params(self):
-        head = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).get_output_embeddings()
-        return head.weight, getattr(head, "bias", None)
 
     def _logit_transform(self) -> LogitTransform:
-        config = _unwrapped_causal_lm(self.accelerator.unwrap_model(self.model)).config
-        return LogitTransform.from_model_config(config, temperature=self.args.temperature)
+        return logit_transform(self.accelerator.unwrap_model(self.model), self.args.temperature)
 
     def _check_vllm_server(self) -> None:
         """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them."""
@@ -636,7 +417,7 @@ class DPPOTrainer(GRPOTrainer):
             )
         max_logprobs = model_config.get("max_logprobs")
         k = self.args.divergence_top_k
-        if self.args.uses_top_k and max_logprobs is not None and 0 <= max_logprobs < k:
+        if self.trust_region_spec.uses_top_k and max_logprobs is not None and 0 <= max_logprobs < k:
             raise ValueError(
                 f"divergence_top_k={k} exceeds the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server "
                 f"with `--max-logprobs {k}` (or -1), or lower divergence_top_k."
@@ -652,7 +433,7 @@ class DPPOTrainer(GRPOTrainer):
 
 def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:
     """Checks that need the trainer's arguments, not only the config (run before anything is built)."""
-    if config.uses_top_k and params.get("rollout_func") is not None:
+    if config.trust_region_spec().uses_top_k and params.get("rollout_func") is not None:
         raise ValueError(
             f"divergence={config.divergence!r} needs μ's top-K log-probs from the engine; a `rollout_func` supplies "
             "only sampled-token log-probs. Use divergence='binary_tv' or 'binary_kl' with `rollout_func`."
@@ -687,9 +468,8 @@ def _with_behavior_invariants(inputs: dict) -> dict:
     """A copy of a batch in which μ upholds what the loss relies on, whoever built the batch.
 
     μ (`BEHAVIOR_LOGPS`, or `old_per_token_logps` when a caller supplies only that) is sanitised: NaN, ±inf or
-    positive values become invalid (weight 0; counted in `dppo/invalid_behavior_ratio`), and what the parent
-    exponentiates is clamped at `_MU_FLOOR`, so `exp(log π − old)` cannot overflow. Generation applies it once; the
-    loss applies it again (a few element-wise ops) so it never depends on its caller.
+    positive values become invalid (weight 0; counted in `dppo/invalid_behavior_ratio`). Generation applies it once;
+    the loss applies it again (a few element-wise ops) so it never depends on its caller.
     """
     source = BEHAVIOR_LOGPS if BEHAVIOR_LOGPS in inputs else "old_per_token_logps"
     if inputs.get(source) is None:
@@ -698,30 +478,4 @@ def _with_behavior_invariants(inputs: dict) -> dict:
     if BEHAVIOR_VALID in inputs:
         valid = valid & inputs[BEHAVIOR_VALID].bool()
     mu_logps = torch.where(valid, mu_logps, torch.zeros_like(mu_logps))
-    return {
-        **inputs,
-        BEHAVIOR_LOGPS: mu_logps,
-        BEHAVIOR_VALID: valid,
-        "old_per_token_logps": mu_logps.clamp(min=_MU_FLOOR),
-    }
-
-
-def _unwrapped_causal_lm(model):
-    """The `PreTrainedModel` carrying the LM head (under PEFT, the wrapped base model)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _backbone(model):
-    """The decoder whose output the fused LM head projects (`PreTrainedModel.base_model`)."""
-    return _unwrapped_causal_lm(model).base_model
-
-
-def _last_hidden_state(output) -> torch.Tensor:
-    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-
-def _full(param):
-    """FSDP2 exposes sharded parameters as DTensors; the projections need the full tensor."""
-    if param is not None and hasattr(param, "full_tensor"):
-        return param.full_tensor()
-    return param
+    return {**inputs, BEHAVIOR_LOGPS: mu_logps, BEHAVIOR_VALID: valid}

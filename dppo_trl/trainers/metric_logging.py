@@ -6,12 +6,11 @@ from typing import Any
 
 from torch import Tensor
 
-from dppo_trl.core.metrics import PARENT_CLIP_METRICS, trust_region_metrics
+from dppo_trl.core.metrics import trust_region_metrics
 
 
 def log_trust_region_metrics(trainer: Any, stats: dict[str, Tensor], mode: str) -> None:
-    """Reduce a loss call's `stats` across `trainer.accelerator`'s processes into `trainer._metrics[mode]`, and drop the
-    parent's ratio-clip metrics (always 0 once the clip is replaced by the trust region)."""
+    """Reduce a loss call's `stats` across `trainer.accelerator`'s processes into `trainer._metrics[mode]`."""
     accelerator = trainer.accelerator
     metrics = trust_region_metrics(
         stats,
@@ -19,7 +18,5 @@ def log_trust_region_metrics(trainer: Any, stats: dict[str, Tensor], mode: str) 
         reduce_max=lambda t: accelerator.gather(t).view(-1, t.numel()).max(dim=0).values,
     )
     sink = trainer._metrics[mode]
-    for key in PARENT_CLIP_METRICS:
-        sink.pop(key, None)
     for key, value in metrics.items():
         sink[key].append(value)

@@ -110,13 +110,14 @@ def _train(tmp_path, url, loss_calls: list | None = None, **kwargs):
     )
     tee = trainer.rollout_queue = _TeeQueue(trainer.rollout_queue)
     if loss_calls is not None:
-        trust_region_loss = trainer._trust_region_loss
+        build_loss_inputs = trainer._loss_inputs
 
-        def spy(loss_inputs, inputs):
+        def spy(inputs, forward):
+            loss_inputs = build_loss_inputs(inputs, forward)
             loss_calls.append(loss_inputs)
-            return trust_region_loss(loss_inputs, inputs)
+            return loss_inputs
 
-        trainer._trust_region_loss = spy
+        trainer._loss_inputs = spy
     trainer.train()
     return trainer, tee.samples
 

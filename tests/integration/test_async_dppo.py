@@ -132,7 +132,9 @@ def test_config_shares_dppo_fields_and_validation(tmp_path):
         assert config.__dataclass_fields__[field].metadata == DPPOConfig.__dataclass_fields__[field].metadata
     with pytest.raises(ValueError, match="ratio_cap must be finite"):
         _config(tmp_path, ratio_cap=0.5)
-    assert _config(tmp_path, divergence="topk_tv", divergence_top_k=5).uses_top_k  # top-K runs asynchronously too
+    assert (
+        _config(tmp_path, divergence="topk_tv", divergence_top_k=5).trust_region_spec().uses_top_k
+    )  # top-K runs asynchronously too
     with pytest.raises(ValueError, match="anchor='behavior'"):
         _config(tmp_path, anchor="recompute")
     with pytest.raises(ValueError, match="needs π_old"):
@@ -464,7 +466,7 @@ def server_url(tmp_path_factory):
 
 
 class _Recorder:
-    """Records each loss call's (π, μ, staleness): the `LossInputs` the trainer hands its `_trust_region_loss`."""
+    """Records each loss call's (π, μ, staleness): the `LossInputs` the trainer builds (`_loss_inputs`)."""
 
     def __init__(self):
         self.calls = []
@@ -474,11 +476,12 @@ def _recording_trainer(recorder: _Recorder):
     from dppo_trl import AsyncDPPOTrainer
 
     class RecordingTrainer(AsyncDPPOTrainer):
-        def _trust_region_loss(self, loss_inputs, inputs):
+        def _loss_inputs(self, inputs, forward):
+            loss_inputs = super()._loss_inputs(inputs, forward)
             recorder.calls.append(
                 (loss_inputs.pi_logps.detach().clone(), loss_inputs.mu_logps.clone(), loss_inputs.staleness.clone())
             )
-            return super()._trust_region_loss(loss_inputs, inputs)
+            return loss_inputs
 
     return RecordingTrainer
 

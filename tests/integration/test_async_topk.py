@@ -156,9 +156,10 @@ def _recording_trainer(recorder: _Recorder):
     from dppo_trl import AsyncDPPOTrainer
 
     class RecordingTrainer(AsyncDPPOTrainer):
-        def _trust_region_loss(self, loss_inputs, inputs):
+        def _loss_inputs(self, inputs, forward):
+            loss_inputs = super()._loss_inputs(inputs, forward)
             recorder.calls.append((loss_inputs, {k: v for k, v in inputs.items()}))
-            return super()._trust_region_loss(loss_inputs, inputs)
+            return loss_inputs
 
     return RecordingTrainer
 
@@ -270,7 +271,7 @@ def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
     from dppo_trl import AsyncDPPOTrainer
-    from dppo_trl.trainers.async_topk import TopKRolloutLoop, TopKRolloutWorker
+    from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
 
     def build(path, divergence):
         return AsyncDPPOTrainer(

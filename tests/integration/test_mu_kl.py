@@ -1,4 +1,4 @@
-"""`dppo_trl.core.loss.aggregate_per_token_loss` is GRPOTrainer's own aggregation, pinned against its real loss.
+"""`dppo_trl.trainers.trl116.grpo.aggregate_per_token_loss` is GRPOTrainer's own aggregation, pinned against its real loss.
 
 The μ-KL term (`DPPOConfig.mu_kl_coef`) is added after the parent's loss with this function, so it must normalise
 exactly as `GRPOTrainer._compute_loss` normalises its policy term, for every supported `loss_type`, with gradient
@@ -12,8 +12,8 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_dev.tiny_models import build_byte_tokenizer
-from dppo_trl.core.loss import aggregate_per_token_loss
 from dppo_trl.trainers.config import SUPPORTED_LOSS_TYPES
+from dppo_trl.trainers.trl116.grpo import aggregate_per_token_loss
 
 MAX_LEN = 6
 

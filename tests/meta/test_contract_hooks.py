@@ -64,3 +64,7 @@ def test_benchmark_prints_one_json_object_that_the_docs_table_repeats():
     assert {hook: int(count) for hook, count in rows.items() if hook != "total"} == result["by_hook"]
     assert int(rows["total"]) == result["pins"]
     assert f"{result['by_hook']['kept']} would be left" in table
+    # The restated TRL lines: counted in marked regions, all inside the TRL 1.16 rooms, and quoted by the docs.
+    assert result["restated_lines"] == sum(result["restated_by_file"].values())
+    assert all(path.startswith("dppo_trl/trainers/trl116/") for path in result["restated_by_file"])
+    assert f"({result['restated_lines']} lines today" in text

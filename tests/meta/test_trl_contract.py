@@ -28,7 +28,7 @@ def test_overridden_methods_exist_with_expected_parameters(name):
     params = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
     expected = trl_contract.OVERRIDDEN_METHODS[name]
     assert params[: len(expected)] == list(expected), f"GRPOTrainer.{name} signature changed: {params}"
-    assert name in DPPOTrainer.__dict__, f"DPPOTrainer no longer overrides {name}: update trl_contract.py"
+    assert name in _own_overrides(), f"DPPOTrainer no longer overrides {name}: update trl_contract.py"
     if name in trl_contract.STATIC_METHODS:
         assert isinstance(parent, staticmethod), f"GRPOTrainer.{name} is no longer a staticmethod"
         assert isinstance(inspect.getattr_static(DPPOTrainer, name), staticmethod), (
@@ -36,12 +36,22 @@ def test_overridden_methods_exist_with_expected_parameters(name):
         )
 
 
+def _own_overrides() -> set[str]:
+    """The GRPOTrainer methods DPPOTrainer or its TRL 1.16 room (`HookedGRPOTrainer`) override."""
+    own = set()
+    for cls in DPPOTrainer.__mro__[: DPPOTrainer.__mro__.index(GRPOTrainer)]:
+        own |= {
+            name
+            for name, value in cls.__dict__.items()
+            if (callable(value) or isinstance(value, staticmethod))
+            and hasattr(GRPOTrainer, name)
+            and not name.startswith("__")
+        }
+    return own
+
+
 def test_dppo_overrides_only_the_listed_seams():
-    own = {
-        name
-        for name, value in DPPOTrainer.__dict__.items()
-        if callable(value) and hasattr(GRPOTrainer, name) and not name.startswith("__")
-    }
+    own = _own_overrides()
     listed = set(trl_contract.OVERRIDDEN_METHODS) | set(trl_contract.HARDENING_OVERRIDDEN_METHODS)
     assert own == listed, f"unlisted GRPOTrainer overrides: {own - listed}"
 
@@ -288,10 +298,12 @@ def test_async_overridden_methods_keep_their_signatures():
     from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
 
     parent = _async_module().AsyncGRPOTrainer
-    assert AsyncDPPOTrainer.__mro__[1] is parent
+    # AsyncDPPOTrainer, then its TRL 1.16 room (`HookedAsyncGRPOTrainer`), then TRL's trainer.
+    assert AsyncDPPOTrainer.__mro__[2] is parent
+    own = AsyncDPPOTrainer.__mro__[:2]
     for name, params in trl_contract.ASYNC_OVERRIDDEN_METHODS.items():
         assert tuple(inspect.signature(getattr(parent, name)).parameters) == params, name
-        assert name in AsyncDPPOTrainer.__dict__, (
+        assert any(name in cls.__dict__ for cls in own), (
             f"AsyncDPPOTrainer no longer overrides {name}: update trl_contract.py"
         )
     for name in trl_contract.ASYNC_TRAINER_ATTRIBUTES:
@@ -344,7 +356,7 @@ def test_async_compute_loss_fragments():
 
 def test_async_clip_metrics_dropped_are_the_ones_trl_logs():
     """With zeroed advantages TRL's clip rates are always 0; the metric logger drops exactly the ones TRL logs."""
-    from dppo_trl.core.metrics import PARENT_CLIP_METRICS
+    from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 
     source = inspect.getsource(_async_module().AsyncGRPOTrainer.compute_loss)
     assert set(re.findall(r'\["(clip_ratio/[a-z_]+)"\]', source)) == set(PARENT_CLIP_METRICS)
@@ -404,7 +416,8 @@ def test_async_topk_worker_internals():
     """The rollout-worker internals `dppo_trl.trainers.async_topk` subclasses and reads (top-K in async)."""
     import importlib
 
-    from dppo_trl.trainers.async_topk import TopKRolloutLoop, TopKRolloutSample, TopKRolloutWorker
+    from dppo_trl.trainers.async_topk import TopKRolloutSample
+    from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
 
     worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
     loop = worker._AsyncRolloutLoop

@@ -8,10 +8,11 @@ import torch
 
 from dppo_trl.core import baselines
 from dppo_trl.core.functional import binary_kl, compute_divergence, dppo_coefficient, topk_tv
-from dppo_trl.core.loss import COEF_MAX, LossInputs, aggregate_per_token_loss, policy_loss
+from dppo_trl.core.loss import COEF_MAX, LossInputs, policy_loss
 from dppo_trl.core.metrics import observer_record, trust_region_metrics, trust_region_stats
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.trainers.trl116.grpo import aggregate_per_token_loss
 
 TokenView = LossInputs
 
@@ -345,7 +346,7 @@ def test_policy_loss_is_eq_11_in_value_and_gradient(name):
 
 def test_the_opened_clip_weight_turns_grpos_term_into_eq_11():
     """GRPOTrainer's opened-clip term −r·A·m with m = opened_clip_weight(w, π, old) is −A·w in value and gradient."""
-    from dppo_trl.core.loss import opened_clip_weight
+    from dppo_trl.trainers.trl116.grpo import opened_clip_weight
 
     view = _view(seed=11)
     pi = view.pi_logps.clone().requires_grad_(True)

@@ -1,0 +1,407 @@
+"""The room for TRL 1.16's `AsyncGRPOTrainer`: `HookedAsyncGRPOTrainer` provides the hooks docs/upstream.md proposes.
+
+`AsyncDPPOTrainer` subclasses `HookedAsyncGRPOTrainer` and implements its hooks; this module is where they are
+bridged onto TRL 1.16's experimental asynchronous trainer. Each part below is one row of docs/upstream.md's
+"AsyncGRPOTrainer" section, with the pins of tests/trl_contract.py it needs; when TRL ships the hook, that part is
+deleted and the hook becomes TRL's:
+
+| hook provided here | bridged on TRL 1.16 by | upstream.md |
+|---|---|---|
+| `PolicyForward.model_version`: each loss term's sampling version, in the batch | `SampleVersionQueue` hands TRL's queue dataset each sample with its metrics as a `SampleMetrics` (the version an attribute: TRL averages every item of `metrics` into its logs); `SampleVersionCollator` packs it as `batch[SAMPLE_VERSION]`; `get_train_dataloader` restates TRL's method with those two arguments (TRL builds its collator inline) | async-1 |
+| `_per_token_policy_loss(inputs, forward)`: the per-token policy loss, TRL's forward, normalisation and accounting around it | TRL's `compute_loss` runs on the batch with zeroed advantages (value 0, gradient 0 for its PPO term) through `KeepForwardOutputs`, which keeps its one forward's outputs; the hook's terms are scaled as TRL scales its own (tokens per process, then gradient accumulation: restated); TRL's clip rates, always 0 then, are dropped (`PARENT_CLIP_METRICS`) | async-2 |
+| `_policy_version()`: the version of the weights being trained, on every rank | broadcast from the main process once per optimizer step (TRL bumps `model_version` on the main process only, between steps) | async-3 |
+| `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `dppo_trl.trainers.async_topk`) | async-5 |
+| `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
+
+On CPU, TRL's forward runs inside `dppo_trl.backends.cpu.async_cpu.cpu_tree_attention()` (async-4 and the CPU paths
+are the constructor's, in `AsyncDPPOTrainer`). `tests/integration/test_async_dppo.py` pins the normalisation against
+TRL's real loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import broadcast_object_list
+from torch import Tensor
+from torch.utils.data import DataLoader
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    AsyncGRPOTrainer,
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+    TokenBudgetBatcher,
+    _EmptyIterableDataset,
+)
+from trl.experimental.async_grpo.async_rollout_worker import (
+    AsyncRolloutWorker,
+    RolloutSample,
+    TurnRecord,
+    _AsyncRolloutLoop,
+)
+
+from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
+from dppo_trl.kernels.engine_view import backbone, last_hidden_state
+from dppo_trl.trainers.async_topk import (
+    BEHAVIOR_TOPK_IDS,
+    BEHAVIOR_TOPK_LOGPS,
+    TopKRolloutSample,
+    TopKTrainingSequence,
+    behavior_topk,
+    completion_topk,
+    rows_topk,
+)
+from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
+
+# Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
+# `segment_id` numbers a row's samples, −1 padded.
+SAMPLE_VERSION = "dppo_sample_version"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PolicyForward:
+    """What TRL's forward of one loss call gives `_per_token_policy_loss`, per loss term (`token_index >= 0`).
+
+    Attributes:
+        selected: bool over the row's positions, the loss terms (TRL's `token_index >= 0`).
+        log_probs: log π of each term, with its graph.
+        old_log_probs: the server's log-probs μ of each term, as the batch holds them.
+        advantages: A of each term.
+        entropy: the policy's entropy per term, when TRL's forward returned it.
+        model_version: the policy version that sampled each term, when the batch carries it.
+        hidden: the final hidden states of each term `(N, H)`, with their graph, when `_wants_hidden_states` asked.
+    """
+
+    selected: Tensor
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    entropy: Tensor | None
+    model_version: Tensor | None
+    hidden: Tensor | None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# async-1: the sampling version, from the queue to the batch
+# ----------------------------------------------------------------------------------------------------------------
+class SampleMetrics(dict):
+    """A rollout sample's `metrics` (same items) that also carries what TRL's queue dataset drops: the policy version
+    which sampled the sample and, for the top-K divergences, μ's top-K of its trained tokens (`(ids, logps)`, each
+    `(n, K + 1)`, or `None`).
+
+    Both are attributes, not items: TRL's collator averages every item of `metrics` into the logged metrics and its
+    trace logger copies them, so an item would leak into both.
+    """
+
+    def __init__(
+        self,
+        metrics: dict[str, float],
+        model_version: int,
+        behavior_topk: tuple[Any, Any] | None = None,
+    ):
+        super().__init__(metrics)
+        self.model_version = int(model_version)
+        self.behavior_topk = behavior_topk
+
+
+class SampleVersionQueue:
+    """The rollout queue as TRL's `RolloutQueueDataset` reads it (`get(timeout=...)`, `qsize()`), handing out each
+    sample with its `metrics` as `SampleMetrics` (a copy of the sample: the worker's object is not touched). A
+    `TopKRolloutSample`'s lists go along."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+
+    def get(self, timeout: float | None = None) -> Any:
+        sample = self.queue.get(timeout=timeout)
+        topk_ids = getattr(sample, "topk_ids", None)
+        topk = None if topk_ids is None else (topk_ids, sample.topk_logps)
+        return dataclasses.replace(sample, metrics=SampleMetrics(sample.metrics, sample.model_version, topk))
+
+    def qsize(self) -> int:
+        return self.queue.qsize()
+
+
+def sample_versions(rows: list[Any]) -> torch.Tensor:
+    """`(len(rows), max samples per row)` sampling versions of packed `TreeRow`s, in each row's sample order (the
+    order `TreeRow.pack` numbers in `segment_id`), −1 padded."""
+    versions = []
+    for row in rows:
+        for sample in row.samples:
+            if not isinstance(sample["metrics"], SampleMetrics):
+                raise TypeError(
+                    "A rollout sample reached the collator without its sampling version (its `metrics` is not a "
+                    "SampleMetrics): it was not read through SampleVersionQueue. TRL's queue dataset may have "
+                    "changed how it passes `metrics` on; see tests/meta/test_trl_contract.py."
+                )
+        versions.append([sample["metrics"].model_version for sample in row.samples])
+    width = max(1, max(len(row) for row in versions))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in versions], dtype=torch.long)
+
+
+@dataclass
+class SampleVersionCollator(DataCollatorForRollout):
+    """TRL's rollout collator, plus `batch[SAMPLE_VERSION]` (`sample_versions` of the micro-batch's rows) and, when
+    the samples carry μ's top-K, `batch[BEHAVIOR_TOPK_IDS]` / `batch[BEHAVIOR_TOPK_LOGPS]` (`async_topk.behavior_topk`:
+    `(rows, loss terms, K + 1)` in `token_index` order)."""
+
+    def torch_call(self, examples: list[Any]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        (rows,) = examples  # one planner item per batch: the micro-batch's rows, one per process
+        batch[SAMPLE_VERSION] = sample_versions(rows)
+        topk = behavior_topk([row.samples for row in rows], batch)
+        if topk is not None:
+            batch[BEHAVIOR_TOPK_IDS], batch[BEHAVIOR_TOPK_LOGPS] = topk
+        return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# async-2: the one forward of TRL's loss, kept
+# ----------------------------------------------------------------------------------------------------------------
+class KeepForwardOutputs:
+    """The model as `AsyncGRPOTrainer.compute_loss` calls it, keeping the outputs of that one call (TRL's fused LM head:
+    per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss.
+
+    With `backbone` (the decoder the fused head projects), also keeps its final hidden states (`hidden`, `(1, N, H)`),
+    with their graph.
+    """
+
+    def __init__(self, model: Any, backbone: torch.nn.Module | None = None):
+        self.model = model
+        self.backbone = backbone
+        self.outputs: Any = None
+        self.hidden: torch.Tensor | None = None
+
+    def _keep_hidden(self, _module, _inputs, output) -> None:
+        self.hidden = last_hidden_state(output)
+
+    def __call__(self, *args, **kwargs):
+        if self.outputs is not None:
+            raise RuntimeError(
+                "AsyncGRPOTrainer.compute_loss called the model twice; AsyncDPPOTrainer expects one forward per loss "
+                "call (see tests/trl_contract.py)."
+            )
+        handle = self.backbone.register_forward_hook(self._keep_hidden) if self.backbone is not None else None
+        try:
+            self.outputs = self.model(*args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return self.outputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# async-5: the rollout loop that asks the server for μ's lists (a subclass of TRL's private loop)
+# ----------------------------------------------------------------------------------------------------------------
+def _current_task() -> asyncio.Task:
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
+    return task
+
+
+class TopKRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
+    on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
+    advantages — is TRL's."""
+
+    def __init__(self, *, logprobs_top_k: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        if logprobs_top_k < 1:
+            raise ValueError(f"logprobs_top_k must be >= 1, got {logprobs_top_k}.")
+        self.logprobs_top_k = logprobs_top_k
+        # The turns (TurnRecord, top-K) of each conversation being rolled out, by the asyncio task that runs it:
+        # TRL runs one `_generate_one` per task, and its completions requests are awaited inside that task.
+        self._turns_by_task: dict[asyncio.Task, list[tuple[TurnRecord, tuple[np.ndarray, np.ndarray]]]] = {}
+
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        if path != "/v1/completions":
+            return await super()._post(path, payload, timeout, max_retries)
+        turns = self._turns_by_task.get(_current_task())
+        if turns is None:
+            raise RuntimeError("TopKRolloutLoop samples only inside `_generate_one` (one conversation per task).")
+        payload = {**payload, "logprobs": self.logprobs_top_k, "return_tokens_as_token_ids": True}
+        content = await super()._post(path, payload, timeout, max_retries)
+        choice = content["choices"][0]
+        topk = completion_topk(choice, self.logprobs_top_k)
+        turns.append((TurnRecord(list(payload["prompt"]), list(choice["token_ids"])), topk))
+        return content
+
+    async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
+        task = _current_task()
+        turns = self._turns_by_task[task] = []
+        try:
+            completion, completion_ids, rows, *rest = await super()._generate_one(prompt, tool_dict, tools, group_id)
+        finally:
+            del self._turns_by_task[task]
+        return (completion, completion_ids, rows_topk(turns, rows, self._fork_threshold_tokens), *rest)
+
+    async def _score_group(self, group) -> list[RolloutSample]:
+        samples = await super()._score_group(group)
+        rows = [row for conversation in group.completions_sequences for row in conversation]
+        if len(rows) != len(samples) or any(
+            not isinstance(row, TopKTrainingSequence) or not np.array_equal(row.input_ids, s.input_ids)
+            for row, s in zip(rows, samples)
+        ):
+            raise RuntimeError("TRL's scored samples no longer follow its training rows one to one.")
+        return [
+            TopKRolloutSample(
+                **{f.name: getattr(s, f.name) for f in dataclasses.fields(RolloutSample)},
+                topk_ids=row.topk_ids,
+                topk_logps=row.topk_logps,
+            )
+            for s, row in zip(samples, rows)
+        ]
+
+
+class TopKRolloutWorker(AsyncRolloutWorker):
+    """TRL's rollout worker running `TopKRolloutLoop` (pass `logprobs_top_k=K` with TRL's worker arguments)."""
+
+    _loop_cls = TopKRolloutLoop
+
+    @classmethod
+    def like(cls, worker: AsyncRolloutWorker, logprobs_top_k: int) -> TopKRolloutWorker:
+        """A not-yet-started worker with `worker`'s arguments (those `AsyncGRPOTrainer` built it with) plus K."""
+        return cls(**worker._loop_kwargs, logprobs_top_k=logprobs_top_k)
+
+
+class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """`AsyncGRPOTrainer` 1.16 with the hooks of docs/upstream.md ("AsyncGRPOTrainer"); see the module docstring."""
+
+    # Set by `AsyncGRPOTrainer.__init__`: on the main process the rollout worker (built or passed in) and its queue.
+    rollout_worker: Any
+    rollout_queue: Any
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        logprobs = self._rollout_logprobs()
+        if logprobs is not None and type(self.rollout_worker) is AsyncRolloutWorker:
+            # async-5: TRL built its own worker (none was passed) and starts it on train begin: run the same worker
+            # with the loop that also asks for μ's lists. A worker passed in must push `TopKRolloutSample`s itself.
+            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, logprobs)
+            self.rollout_queue = self.rollout_worker.rollout_buffer
+        # async-3: (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
+        self._policy_version_read: tuple[Any, int, int] | None = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The hooks a subclass implements or overrides
+    # ------------------------------------------------------------------------------------------------------------
+    def _per_token_policy_loss(self, inputs: dict[str, Any], forward: PolicyForward) -> Tensor:
+        """The per-token policy loss of the loss terms, normalised as TRL normalises its own (upstream async-2)."""
+        raise NotImplementedError
+
+    def _wants_hidden_states(self, inputs: dict[str, Any]) -> bool:
+        """Whether this loss call's `PolicyForward` carries the final hidden states."""
+        return False
+
+    def _rollout_logprobs(self) -> int | None:
+        """Log-probs per token the rollout worker asks the server for, carried to the batch (upstream async-5);
+        `None`: the sampled token's only (TRL's worker)."""
+        return None
+
+    def _policy_version(self) -> int:
+        """The version of the weights being trained: TRL's `model_version`, which only the main process bumps (after
+        each weight sync, between optimizer steps). On several processes it is broadcast from the main process once
+        per optimizer step, at the step's first loss call, which every process reaches together."""
+        if self.accelerator.num_processes == 1:
+            return int(self.model_version)
+        read = self._policy_version_read
+        if read is None or read[0] is not self.state or read[1] != self.state.global_step:
+            version = int(broadcast_object_list([self.model_version], from_process=0)[0])
+            read = self._policy_version_read = (self.state, self.state.global_step, version)
+        return read[2]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # async-1 and async-2: the restated dataloader and the loss around TRL's
+    # ------------------------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """`AsyncGRPOTrainer.get_train_dataloader` of TRL 1.16 with two arguments changed (restated TRL code): the queue dataset reads the
+        rollout queue through `SampleVersionQueue`, and the collator is `SampleVersionCollator`. TRL builds its
+        collator inline, so there is no narrower seam; the contract test fails when TRL's method changes."""
+        # restates-trl: begin AsyncGRPOTrainer.get_train_dataloader
+        num_processes = self.accelerator.num_processes
+        if self.accelerator.is_main_process:
+            dataset = RolloutQueueDataset(
+                rollout_queue=SampleVersionQueue(self.rollout_queue),
+                model_version_fn=lambda: self.model_version,
+                check_health_fn=self.rollout_worker.check_health,
+                stale_after_s=self.args.heartbeat_stale_after_s,
+                metrics=self._metrics["train"],
+                max_staleness=self.args.max_staleness,
+                report_to=self.args.report_to,
+            )
+            self._rollout_dataset = dataset  # TRL's `_log_step_metrics` flushes its queue wait
+            if self.args.token_budget is None:
+                self.vllm_client.wait_for_server_ready()
+                self.args.token_budget = self.vllm_client.get_max_model_len()
+                logger.info(f"token_budget unset; defaulting to vLLM max_model_len={self.args.token_budget}")
+            if self.args.token_budget > 0:
+                dataset = TokenBudgetBatcher(dataset, num_processes, self.args.token_budget, self._metrics["train"])
+            else:
+                dataset = FixedCountBatcher(
+                    dataset, num_processes, self.args.per_device_train_batch_size * num_processes
+                )
+        else:
+            dataset = _EmptyIterableDataset()
+        return self.accelerator.prepare(
+            DataLoader(
+                dataset,
+                batch_size=1,
+                collate_fn=SampleVersionCollator(
+                    self.processing_class.pad_token_id,
+                    num_processes,
+                    groups_trained=self._trained_groups,
+                    metrics=self._metrics["train"],
+                    token_budget=max(self.args.token_budget or 0, 0),
+                ),
+                num_workers=0,
+            )
+        )
+        # restates-trl: end
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus the
+        subclass's per-token policy loss on that forward's log-probs, scaled as TRL scales its own."""
+        want_hidden = self._wants_hidden_states(inputs)
+        forward = KeepForwardOutputs(model, backbone(self.accelerator.unwrap_model(model)) if want_hidden else None)
+        trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
+        attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
+        with attention:
+            trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
+        for key in PARENT_CLIP_METRICS:
+            self._metrics["train"].pop(key, None)
+        per_token = self._per_token_policy_loss(inputs, self._policy_forward(inputs, forward))
+        # restates-trl: begin AsyncGRPOTrainer.compute_loss (the normalisation of the policy term)
+        tokens_per_rank = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
+        return trl_loss + per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
+        # restates-trl: end
+
+    def _policy_forward(self, inputs: dict[str, Any], forward: KeepForwardOutputs) -> PolicyForward:
+        """The loss terms of one packed row as TRL selects them, with their sampling versions."""
+        selected = inputs["token_index"] >= 0
+        token_index = inputs["token_index"][selected]
+        outputs = forward.outputs
+        entropy = getattr(outputs, "entropy", None)
+        model_version = None
+        if SAMPLE_VERSION in inputs:
+            versions = inputs[SAMPLE_VERSION].reshape(-1, inputs[SAMPLE_VERSION].shape[-1])[0]  # this rank's row
+            model_version = versions[inputs["segment_id"][selected]]
+        hidden = forward.hidden
+        return PolicyForward(
+            selected=selected,
+            log_probs=outputs.log_probs.flatten()[token_index],
+            old_log_probs=inputs["old_log_probs"][selected],
+            advantages=inputs["advantages"][selected],
+            entropy=entropy.flatten()[token_index] if entropy is not None else None,
+            model_version=model_version,
+            hidden=None if hidden is None else hidden.reshape(-1, hidden.shape[-1])[token_index],
+        )
