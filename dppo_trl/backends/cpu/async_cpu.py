@@ -115,24 +115,10 @@ def tree_attention_cpu(
 def cpu_tree_attention() -> Iterator[None]:
     """Register `tree_attention_cpu` (and TRL's no-op mask) under TRL's tree-attention name for the `with` block only,
     then restore the previous registrations (TRL's FA3 kernel, or nothing)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from dppo_trl.kernels.tree_attention import registered_tree_attention
 
-    name = tree_attention_name()
-    saved = []
-    for interface in (AttentionInterface, AttentionMaskInterface):
-        mapping = interface._global_mapping
-        saved.append((mapping, name in mapping, mapping.get(name)))
-    AttentionInterface.register(name, tree_attention_cpu)
-    AttentionMaskInterface.register(name, _no_mask)
-    try:
+    with registered_tree_attention(tree_attention_cpu):
         yield
-    finally:
-        for mapping, had, previous in saved:
-            if had:
-                mapping[name] = previous
-            else:
-                mapping.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -149,11 +135,6 @@ def cpu_peak_flops() -> Iterator[None]:
 
 def _no_peak_flops(accelerator: Any, dtype: str) -> None:
     # TRL's own answer for a device whose peak FLOPs it does not know: MFU metrics off.
-    return None
-
-
-def _no_mask(**kwargs) -> None:
-    # Tree attention builds its own masking from the segment tables; transformers must not build a dense mask.
     return None
 
 
