@@ -44,9 +44,13 @@ change that removes it in docs/upstream.md "AsyncGRPOTrainer"):
    worker TRL built is replaced (before it starts) by `TopKRolloutWorker`, TRL's worker class running a subclass of
    its loop; see `dppo_trl.trainers.async_topk`.
 
-On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
-attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
-`python -m dppo_trl.backends.cpu.vllm_server`.
+Tree attention (`AsyncDPPOConfig.tree_attention`): TRL builds the model with `attn_implementation="tree_fa3"`, a
+FlashAttention-3 kernel from the Hub. Unless that kernel is chosen (and can run), the trainer registers
+`dppo_trl.kernels.tree_attention.tree_attention_sdpa` (or the float32 reference) under TRL's name only while its
+training step (forward and backward) or loss runs, then restores TRL's registration.
+
+On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: no peak-FLOPs
+lookup, and the file-based weight transfer to `python -m dppo_trl.backends.cpu.vllm_server`.
 
 Top-K divergences (`topk_tv`, `topk_kl`): the trainer replaces TRL's worker, before it starts, by
 `dppo_trl.trainers.async_topk.TopKRolloutWorker` built with the same arguments, which asks the server for μ's top-K
@@ -87,11 +91,17 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
+from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
 from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
+from dppo_trl.kernels.tree_attention import (
+    TREE_ATTENTION_CHOICES,
+    TreeAttentionChoice,
+    registered_tree_attention,
+    resolve_tree_attention,
+)
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
@@ -147,6 +157,10 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
 
     The parent's `epsilon`/`epsilon_high` clip is not DPPO's trust region; only the `grpo_clip`-family ablations read
     `epsilon`.
+
+    `tree_attention` picks the attention over TRL's packed tree rows (docs/async.md, "Tree attention"): `"auto"` runs
+    TRL's FlashAttention-3 kernel where it loads and runs (CUDA, `kernels` installed, the Hub kernel reachable), else
+    `dppo_trl.kernels.tree_attention.tree_attention_sdpa`, and logs one line saying which and why.
     """
 
     kept_set_logprobs: int | None = field(
@@ -156,6 +170,17 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
             f"lists per token, whose finite ones are the sampler's kept set. `None`: `top_k` when ≤ "
             f"{KEPT_SET_SERVER_LOGPROBS}, else {KEPT_SET_SERVER_LOGPROBS} (the server's `--max-logprobs` must allow "
             "it). As `DPPOConfig.kept_set_logprobs`."
+        },
+    )
+
+    tree_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention over the packed tree rows: 'auto' (TRL's FlashAttention-3 Hub kernel where it loads "
+            "and runs on a CUDA device, else 'sdpa'; one log line says which and why), 'fa3' (TRL's kernel; refused "
+            "before the model is built when it cannot load or run), 'sdpa' (one PyTorch SDPA call per tree segment, "
+            "any device, no O(L^2) score matrix), 'eager' (the float32 plain-PyTorch reference, O(L^2) memory).",
+            "choices": list(TREE_ATTENTION_CHOICES),
         },
     )
 
@@ -169,6 +194,10 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
         super().__post_init__()
         self._resolve_trust_region()
         check_kept_set(self, self.kept_set_size, colocate=False)
+        if self.tree_attention not in TREE_ATTENTION_CHOICES:
+            raise ValueError(
+                f"tree_attention must be one of {list(TREE_ATTENTION_CHOICES)}, got {self.tree_attention!r}."
+            )
         if self.anchor != "behavior":
             raise ValueError(
                 f"anchor={self.anchor!r} is not available asynchronously: a sample can be up to `max_staleness` "
@@ -315,6 +344,8 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             kwargs["weight_transfer"] = FileWeightTransfer(
                 VLLMClient(args.vllm_server_base_url, args.vllm_server_timeout), args.weight_sync_timeout
             )
+        # Resolved before TRL builds the model, so an explicit "fa3" that cannot run fails before any loading.
+        self.tree_attention_choice = self._resolve_tree_attention(args, on_cpu)
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         # Entries per token the worker asks the server for: N (truncated sampling, whose first K + 1 slots are also
@@ -372,6 +403,30 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             )
         )
 
+    @staticmethod
+    def _resolve_tree_attention(args: AsyncDPPOConfig, on_cpu: bool) -> TreeAttentionChoice:
+        """`args.tree_attention` on this process's device, logged once (a warning when "auto" had to leave FA3 on a
+        GPU: the user most likely expected it)."""
+        device = torch.device("cpu") if on_cpu else args.device
+        choice = resolve_tree_attention(args.tree_attention, device)
+        fell_back = args.tree_attention == "auto" and device.type == "cuda" and choice.name != "fa3"
+        (logger.warning if fell_back else logger.info)(
+            f"Tree attention: {choice.name} (tree_attention={args.tree_attention!r}: {choice.reason})."
+        )
+        return choice
+
+    def _tree_attention_registered(self) -> contextlib.AbstractContextManager:
+        """TRL's tree-attention name bound to the chosen function while a forward or backward runs (TRL's own FA3
+        registration stays when FA3 was chosen)."""
+        function = self.tree_attention_choice.function
+        return registered_tree_attention(function) if function is not None else contextlib.nullcontext()
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's step with the chosen tree attention registered through the backward too: under gradient
+        checkpointing the backward reruns each layer's forward, which looks the attention function up again."""
+        with self._tree_attention_registered():
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus DPPO's
         term on that forward's log-probs."""
@@ -389,8 +444,7 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
             model, self._backbone(model) if wants_topk or kept else None, hidden_with_graph=kept
         )
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
-        attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
-        with attention:
+        with self._tree_attention_registered():
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
         loss_inputs = self._loss_inputs(inputs, forward.outputs, self._policy_version())
         if kept:
