@@ -93,9 +93,9 @@ def tree_attention_sdpa(
     segment, in the inputs' dtype.
 
     `query` is `(1, heads, N, head_dim)`, `key`/`value` `(1, kv_heads, N, head_dim)` with `heads % kv_heads == 0`.
-    Returns `((1, N, heads, head_dim), None)` like transformers' attention functions. Grouped-query K/V are repeated
-    per segment (SDPA's own GQA support depends on the backend), so the K/V kept for backward are `heads / kv_heads`
-    times those of a GQA-aware kernel. `mask_query_chunk` (query rows per masked SDPA call) and
+    Returns `((1, N, heads, head_dim), None)` like transformers' attention functions. The paths' K/V rows are gathered
+    once, as TRL's FA3 call gathers them; grouped-query K/V are then repeated per segment (SDPA's own GQA support
+    depends on the backend), so the K/V kept for backward are `heads / kv_heads` times those of a GQA-aware kernel. `mask_query_chunk` (query rows per masked SDPA call) and
     `softcap_chunk_elements` (score elements per softcap chunk) bound the transient memory of those two paths.
     """
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1:
@@ -114,11 +114,15 @@ def tree_attention_sdpa(
             f"with one entry per segment boundary as well; got {len(cu_q)} and {len(cu_k)} boundaries, "
             f"cu_q[-1] = {cu_q[-1]}."
         )
+    if tree_kv_index.numel() != cu_k[-1]:
+        raise ValueError(f"tree_kv_index has {tree_kv_index.numel()} rows but tree_cu_seqlens_k ends at {cu_k[-1]}.")
     if mask_query_chunk < 1 or softcap_chunk_elements < 1:
         raise ValueError("mask_query_chunk and softcap_chunk_elements must be >= 1.")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     window = sliding_window or None
+    # One gather for every path (as TRL's FA3 call does), so the backward is one scatter rather than one per segment.
     kv_index = tree_kv_index.long()
+    key_paths, value_paths = key.index_select(2, kv_index), value.index_select(2, kv_index)
     outputs = []
     for s in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
@@ -126,9 +130,7 @@ def tree_attention_sdpa(
             raise ValueError(f"Segment {s} has {q1 - q0} queries but a path of only {k1 - k0} K/V rows.")
         if q1 == q0:
             continue
-        q = query[:, :, q0:q1]
-        path = kv_index[k0:k1]
-        k, v = key.index_select(2, path), value.index_select(2, path)
+        q, k, v = query[:, :, q0:q1], key_paths[:, :, k0:k1], value_paths[:, :, k0:k1]
         if kv_heads != heads:
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -259,7 +261,7 @@ def fa3_unavailable(device: torch.device) -> str | None:
     cached by TRL once it succeeds) and runs TRL's `tree_attention` once on a two-token row, so a kernel that loads but
     has no build for this card is caught here rather than in the first training step."""
     if device.type != "cuda":
-        return f"FlashAttention-3 needs a CUDA device and this trainer runs on {device.type}"
+        return f"FlashAttention-3 needs a CUDA device, not {device.type}"
     from trl.experimental.async_grpo import packing
 
     try:

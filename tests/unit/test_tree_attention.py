@@ -160,9 +160,35 @@ def test_bad_tables_are_refused_with_the_reason():
     tables = _tables(packed)
     with pytest.raises(ValueError, match="must run from 0 to the row's"):
         tree_attention_sdpa(None, q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], None, **tables)
-    short = dict(tables, tree_cu_seqlens_k=torch.arange(len(tables["tree_cu_seqlens_k"]), dtype=torch.int32))
-    with pytest.raises(ValueError, match="queries but a path of only"):
-        tree_attention_sdpa(None, q, k, v, None, **short)
+    segments = len(tables["tree_cu_seqlens_k"]) - 1
+    with pytest.raises(ValueError, match="tree_kv_index has 3 rows but tree_cu_seqlens_k ends at"):
+        tree_attention_sdpa(None, q, k, v, None, **dict(tables, tree_kv_index=tables["tree_kv_index"][:3]))
+    one_row_paths = {
+        "tree_kv_index": tables["tree_kv_index"][:segments],
+        "tree_cu_seqlens_k": torch.arange(segments + 1, dtype=torch.int32),
+    }
+    with pytest.raises(ValueError, match="queries but a path of only 1 K/V rows"):
+        tree_attention_sdpa(None, q, k, v, None, **dict(tables, **one_row_paths))
+
+
+def test_the_lower_right_bias_cuda_uses_is_bottom_right_alignment():
+    """On CUDA a segment below a fork goes through SDPA's lower-right causal bias, whose kernels run only there; on CPU
+    torch materializes that bias, which must be the alignment of the explicit masks the CPU path builds."""
+    import warnings
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    from dppo_trl.kernels.tree_attention import _sdpa_segment
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (5, 9, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flash/efficient attention cannot be used" on CPU
+        biased = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(5, 9), scale=0.3
+        )
+    explicit = _sdpa_segment(q, k, v, 0.3, None, 0.0, chunk=2)
+    torch.testing.assert_close(biased, explicit, atol=1e-12, rtol=1e-10)
 
 
 def test_registration_is_scoped_and_restores_trls():
@@ -243,3 +269,95 @@ def test_config_refuses_an_unknown_choice(tmp_path):
     assert AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").tree_attention == "auto"
     with pytest.raises(ValueError, match="tree_attention must be one of"):
         AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_attention="flash")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a device): the lower-right causal bias only runs there
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("sequences, kv_heads, window, softcap", CASES)
+def test_cuda_trees_match_the_per_query_softmax(sequences, kv_heads, window, softcap, dtype, atol):
+    """Every tree case of the CPU tests on CUDA (SDPA's flash / memory-efficient kernels, the lower-right bias), against
+    the float64 per-query reference on the CPU."""
+    packed, positions = _pack(sequences)
+    q, k, v = _qkv(len(packed["input_ids"]), 4, kv_heads, dim=64)
+    options = {"sliding_window": window, "softcap": softcap}
+    expected = tree_attention_per_query(q, k, v, positions, **options)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected_grads = _grads(expected, (q, k, v), weights)
+    on_cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    tables = {key: value.cuda() for key, value in _tables(packed).items()}
+    ours, _ = tree_attention_sdpa(None, *on_cuda, None, **tables, **options)
+    assert ours.dtype == dtype and ours.is_cuda
+    torch.testing.assert_close(ours.double().cpu(), expected.detach(), atol=atol, rtol=atol)
+    for g_ours, g_ref in zip(_grads(ours, on_cuda, weights.to("cuda", dtype)), expected_grads, strict=True):
+        torch.testing.assert_close(g_ours.double().cpu(), g_ref, atol=2 * atol, rtol=2 * atol)
+
+
+def _independent_segments(n_segments: int, length: int, device: str = "cuda") -> dict:
+    """A packed row of `n_segments` unrelated samples of `length` tokens (plain packing: each path is its segment)."""
+    cu = torch.arange(0, (n_segments + 1) * length, length, dtype=torch.int32, device=device)
+    return {
+        "tree_kv_index": torch.arange(n_segments * length, device=device),
+        "tree_cu_seqlens_q": cu,
+        "tree_cu_seqlens_k": cu,
+    }
+
+
+def _reference_float32(q, k, v, tables, rows: int = 1024) -> torch.Tensor:
+    """Per-segment causal softmax in float32, a block of query rows at a time (forward only: at 16,384 tokens the
+    whole score matrix would not fit)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+    cu = tables["tree_cu_seqlens_q"].tolist()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for s0, s1 in zip(cu[:-1], cu[1:], strict=True):
+        for r0 in range(s0, s1, rows):
+            r1 = min(r0 + rows, s1)
+            scores = q[:, :, r0:r1].float() @ k[:, :, s0:r1].transpose(-1, -2) / q.shape[-1] ** 0.5
+            causal = torch.arange(s0, r1, device=q.device)[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
+            out[:, :, r0:r1] = torch.softmax(scores.masked_fill(~causal, -torch.inf), dim=-1) @ v[:, :, s0:r1]
+    return out.transpose(1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_segments, length", [(2, 4096), (1, 16384)])
+def test_cuda_bf16_at_training_lengths_matches_float32_and_records_memory(n_segments, length, record_property):
+    """bf16, 16 query heads over 8 KV heads, head dim 128 (the issue's H100 shapes): the output and gradients are the
+    float32 reference's to bf16 rounding, and the peak extra memory of forward + backward stays linear in the tokens
+    (under 16 query tensors: 512 MiB at 2 x 4,096, where the float32 function's score matrices took 3,248 MiB on an
+    H100; 1 GiB at 16,384, where all heads' float32 scores would be 16 GiB). The peak is recorded
+    (`record_property`, and printed)."""
+    torch.manual_seed(0)
+    n_tokens, heads, kv_heads, dim = n_segments * length, 16, 8, 128
+    q = torch.randn(1, heads, n_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv_heads, n_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, kv_heads, n_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tables = _independent_segments(n_segments, length)
+    grad_out = torch.randn(1, n_tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ours, _ = tree_attention_sdpa(None, q, k, v, None, **tables)
+    ours.backward(grad_out)
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    record_property(f"sdpa_peak_extra_mib_{n_segments}x{length}", round(peak_mib, 1))
+    print(f"tree_attention_sdpa bf16 {n_segments}x{length}: peak extra {peak_mib:.1f} MiB (forward + backward)")
+    assert peak_mib * 2**20 < 16 * q.numel() * q.element_size(), f"{peak_mib:.0f} MiB: not linear in the tokens"
+
+    with torch.no_grad():
+        expected = _reference_float32(q, k, v, tables)
+    error = (ours.float() - expected).norm() / expected.norm()
+    record_property(f"sdpa_relative_error_{n_segments}x{length}", float(error))
+    assert error < 1e-2, float(error)
+    if n_tokens <= 8192:  # the float32 reference's own gradient fits here (its score matrices are 1 GiB)
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        reference, _ = tree_attention_cpu(None, q32, k32, v32, None, **tables)
+        reference.backward(grad_out.float())
+        for ours_grad, ref_grad in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+            relative = (ours_grad.float() - ref_grad).norm() / ref_grad.norm()
+            assert relative < 2e-2, float(relative)
