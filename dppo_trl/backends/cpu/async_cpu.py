@@ -6,15 +6,19 @@ Two parts of TRL 1.16's asynchronous trainer need CUDA:
    `AttentionInterface` as a FlashAttention-3 varlen kernel downloaded from the Hub (`kernels.get_kernel`).
    `tree_attention_cpu` is the same contract in plain PyTorch: each packed segment's queries attend, causally and
    bottom-right aligned (FlashAttention's convention when there are more keys than queries), to the K/V rows of its
-   root-to-segment path. `cpu_tree_attention()` registers it under TRL's name only while its `with` block runs and
-   then puts back whatever was registered before, so no global state is left behind.
+   root-to-segment path, with float32 score matrices per segment (O(L²) memory). It is the reference that
+   `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (the trainer's default wherever FA3 cannot run, CPU
+   included: `AsyncDPPOConfig.tree_attention`) is checked against, and `tree_attention="eager"` runs it.
+   `cpu_tree_attention()` registers it under TRL's name only while its `with` block runs and then puts back whatever
+   was registered before, so no global state is left behind.
 2. **Peak-FLOPs lookup.** `AsyncGRPOTrainer.__init__` asks `torch.cuda.get_device_name` for the device's peak FLOPs
    (for its MFU metric), which raises on a CPU-only torch. `cpu_peak_flops()` answers `None` (MFU off, as TRL does for
    an unknown device) while its block runs; TRL's function is put back on exit.
 
 A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_flops()` and trained inside
-`cpu_tree_attention()` (TRL's constructor registers its FA3 function, so the CPU one goes in afterwards), with
-`weight_transfer=FileWeightTransfer(...)`; `dppo_trl.AsyncDPPOTrainer` does all three itself.
+`cpu_tree_attention()` or `registered_tree_attention(tree_attention_sdpa)` (TRL's constructor registers its FA3
+function, so the other one goes in afterwards), with `weight_transfer=FileWeightTransfer(...)`;
+`dppo_trl.AsyncDPPOTrainer` does all three itself.
 3. **NCCL weight transfer.** `FileWeightTransfer` implements TRL's `WeightTransferProtocol` with the file-based
    reload CPU server mode already uses (`dppo_trl.backends.cpu.weight_sync.reload_server_weights_from_file`: a safetensors file in a
    private temporary directory, reloaded by the server's `WeightReloadExtension` over `/collective_rpc`). The server
