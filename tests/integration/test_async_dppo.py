@@ -271,10 +271,7 @@ def test_default_tree_attention_on_cpu_trains_like_the_reference_under_gradient_
     with caplog.at_level("INFO", logger="dppo_trl.trainers.async_dppo_trainer"):
         ours = _trainer(tmp_path / "sdpa", gradient_checkpointing=True)
     lines = [r.getMessage() for r in caplog.records if "Tree attention" in r.getMessage()]
-    assert lines == [
-        "Tree attention: sdpa (tree_attention='auto': FlashAttention-3 needs a CUDA device and this "
-        "trainer runs on cpu)."
-    ]
+    assert lines == ["Tree attention: sdpa (tree_attention='auto': FlashAttention-3 needs a CUDA device, not cpu)."]
     assert ours.tree_attention_choice.function is tree_attention_sdpa
     reference = _trainer(tmp_path / "eager", gradient_checkpointing=True, tree_attention="eager")
     reference.model.load_state_dict(ours.model.state_dict())
@@ -563,6 +560,7 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     trainer, recorder = _train(
         tmp_path, server_url, max_steps=4, max_staleness=2, delta_low=0.05, delta_high=0.05, divergence="binary_tv"
     )
+    assert trainer.tree_attention_choice.name == "sdpa"  # the default on CPU: every step below ran it
     logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
     assert len(logs) == 4
     assert max(entry["sample/staleness_max"] for entry in logs) >= 1
