@@ -95,8 +95,9 @@ def tree_attention_sdpa(
     `query` is `(1, heads, N, head_dim)`, `key`/`value` `(1, kv_heads, N, head_dim)` with `heads % kv_heads == 0`.
     Returns `((1, N, heads, head_dim), None)` like transformers' attention functions. The paths' K/V rows are gathered
     once, as TRL's FA3 call gathers them; grouped-query K/V are then repeated per segment (SDPA's own GQA support
-    depends on the backend), so the K/V kept for backward are `heads / kv_heads` times those of a GQA-aware kernel. `mask_query_chunk` (query rows per masked SDPA call) and
-    `softcap_chunk_elements` (score elements per softcap chunk) bound the transient memory of those two paths.
+    depends on the backend), so the K/V kept for backward are `heads / kv_heads` times those of a GQA-aware kernel.
+    `mask_query_chunk` (query rows per masked SDPA call) and `softcap_chunk_elements` (score elements per softcap
+    chunk) bound the transient memory of those two paths.
     """
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1:
         raise ValueError(
@@ -184,8 +185,8 @@ def _chunk_keys(r0: int, r1: int, len_q: int, len_k: int, window: int | None, de
 def _softcapped_segment(
     q, k, v, scale: float, window: int | None, softcap: float, dropout: float, chunk_elements: int
 ) -> torch.Tensor:
-    """SDPA has no softcap: an explicit (at least float32) softmax of `softcap * tanh(scores / softcap)`, a chunk of query rows
-    at a time, each chunk recomputed in backward (`torch.utils.checkpoint`), so at most one chunk's scores live."""
+    """SDPA has no softcap: an explicit (at least float32) softmax of `softcap * tanh(scores / softcap)`, a chunk of
+    query rows at a time, each recomputed in backward (`torch.utils.checkpoint`), so at most one chunk's scores live."""
     heads, len_q, len_k = q.shape[1], q.shape[2], k.shape[2]
     rows_per_chunk = max(1, min(len_q, chunk_elements // max(1, heads * len_k)))
     chunks = []

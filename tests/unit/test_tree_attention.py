@@ -239,7 +239,7 @@ print(json.dumps({"name": auto.name, "reason": auto.reason, "fa3_error": fa3}))
 
 
 def test_auto_falls_back_when_trls_kernel_cannot_load(tmp_path):
-    """On a CUDA device "auto" goes through TRL's real loader (`packing._flash_attn`: `kernels.get_kernel` from the Hub);
+    """On a CUDA device "auto" goes through TRL's real loader (`packing._flash_attn`: `kernels.get_kernel`, the Hub);
     with the Hub offline and empty caches (or `kernels` not installed, as here) it cannot load, so "auto" falls back to
     SDPA saying why, and an explicit "fa3" is refused naming the fix. Nothing touches the GPU before the kernel loads,
     so this runs on CPU-only machines too."""
