@@ -26,6 +26,7 @@ HOOKS = {
     "async-3": "3. Keep `model_version` on every rank",
     "async-4": "4. The peak-FLOPs lookup on a machine without CUDA",
     "async-5": "5. A `logprobs` option in the rollout worker, carried to the batch",
+    "async-6": "6. A tree-attention choice, checked before the model is built",
 }
 
 REMOVED_BY: dict[str, str | dict[str, str]] = {
@@ -91,7 +92,12 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "LIGER_GRPO_INIT_FRAGMENTS": KEPT,
     "LIGER_APPLY_FRAGMENT": KEPT,
     "ASYNC_MODULE": KEPT,
-    "ASYNC_OVERRIDDEN_METHODS": {"__init__": KEPT, "get_train_dataloader": "async-1", "compute_loss": "async-2"},
+    "ASYNC_OVERRIDDEN_METHODS": {
+        "__init__": KEPT,
+        "get_train_dataloader": "async-1",
+        "compute_loss": "async-2",
+        "training_step": "async-6",
+    },
     "ASYNC_DATALOADER_REPLACEMENTS": "async-1",
     "ASYNC_COMPUTE_LOSS_FRAGMENTS": "async-2",
     "ROLLOUT_SAMPLE_FIELDS": "async-1",
@@ -100,6 +106,8 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "ASYNC_PEAK_FLOPS_SYMBOL": "async-4",
     "TREE_ATTENTION_NAME": KEPT,
     "TREE_ATTENTION_PARAMS": KEPT,
+    "TREE_ATTENTION_LOADER": "async-6",
+    "TREE_ATTENTION_LOADER_FRAGMENTS": "async-6",
     "WEIGHT_TRANSFER_METHODS": KEPT,
     "ASYNC_VLLM_CLIENT_METHODS": KEPT,
     "ASYNC_WORKER_MODULE": "async-5",

@@ -27,3 +27,43 @@ def dppo_per_token_loss(
     weight = (advantages.to(dtype) * coef * keep_mask.to(dtype)).detach()
     loss = -weight * pi_lp
     return torch.where(weight == 0, torch.zeros((), dtype=dtype, device=loss.device), loss)
+
+
+def tree_attention_per_query(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    sequences: list[list[int]],
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Tree attention written out one query at a time, from the samples rather than from the packed tables.
+
+    `sequences` are the samples as packed-row positions (each sample's tokens in order, shared prefixes at shared
+    positions). A position attends to its own sample's positions up to itself (the last `sliding_window` of them when
+    set), with `softmax(softcap * tanh(q·k * scale / softcap))` in the inputs' dtype (use float64). Query heads share
+    key/value heads in contiguous groups (`h // (heads / kv_heads)`). `query` `(1, H, N, D)`, `key`/`value`
+    `(1, H_kv, N, D)`; returns `(1, N, H, D)`.
+    """
+    _, heads, n_tokens, head_dim = query.shape
+    group = heads // key.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    rows: list[Tensor | None] = [None] * n_tokens
+    for positions in sequences:
+        for t, i in enumerate(positions):
+            visible = positions[: t + 1]
+            if sliding_window:
+                visible = visible[-sliding_window:]
+            per_head = []
+            for h in range(heads):
+                k = key[0, h // group, visible]
+                v = value[0, h // group, visible]
+                scores = (k @ query[0, h, i]) * scale
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
+                per_head.append(torch.softmax(scores, dim=0) @ v)
+            rows[i] = torch.stack(per_head)  # a shared position sees the same keys from every sample holding it
+    missing = [i for i, r in enumerate(rows) if r is None]
+    assert not missing, f"packed positions {missing} belong to no sample"
+    return torch.stack([r for r in rows if r is not None]).unsqueeze(0)

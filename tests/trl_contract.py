@@ -239,6 +239,9 @@ ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     ),
     "get_train_dataloader": ("self",),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+    # The chosen tree attention stays registered through the backward, which reruns the forward under gradient
+    # checkpointing (dppo_trl/kernels/tree_attention.py). → a tree-attention choice in TRL's config.
+    "training_step": ("self", "model", "inputs", "num_items_in_batch"),
 }
 # `AsyncDPPOTrainer.get_train_dataloader` is TRL's method (same tokens, comments aside) with exactly these
 # replacements (ours, TRL's): the collator is built inline, so restating the method is the narrowest seam; a TRL change
@@ -283,6 +286,12 @@ TREE_ATTENTION_PARAMS = (
     "sliding_window",
     "softcap",
 )
+# The tree-attention choice ("auto"/"fa3", dppo_trl/kernels/tree_attention.py) loads TRL's kernel through TRL's own
+# cached loader and runs TRL's `tree_attention` once before the model is built; `tree_attention` calls that loader, so
+# the kernel that loaded is the one training uses. → a tree-attention choice in TRL's config, checked before the model
+# is built.
+TREE_ATTENTION_LOADER = "_flash_attn"
+TREE_ATTENTION_LOADER_FRAGMENTS = ("_flash_attn().flash_attn_varlen_func(",)
 WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "resume", "destroy")
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")

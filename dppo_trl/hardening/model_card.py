@@ -198,7 +198,7 @@ def dppo_card_section(args, trainer_rows: list[tuple[str, object]]) -> str:
         ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
         ("ratio_cap (C)", args.ratio_cap),
         ("anchor", args.anchor),
-        ("top-K (K)", args.divergence_top_k if args.uses_top_k else "–"),
+        ("top-K (K)", args.divergence_top_k if args.trust_region_spec().uses_top_k else "–"),
         (
             "truncated sampling",
             "–"

@@ -23,15 +23,20 @@ server for K, or N = `kept_set_size`, log-probs per token (`_rollout_logprobs`);
 from the final hidden states of TRL's one forward: μ's top-K, or log π(kept) with its gradient and the overflow
 positions (`kept_set.kept_set_overflow`), so the core's per-token term has eq. 11's gradient with π_kept as it stands.
 
-On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: pure-PyTorch tree
-attention registered only while its forward runs, no peak-FLOPs lookup, and the file-based weight transfer to
-`python -m dppo_trl.backends.cpu.vllm_server`.
+Tree attention (`AsyncDPPOConfig.tree_attention`): TRL builds the model with `attn_implementation="tree_fa3"`, a
+FlashAttention-3 kernel from the Hub. The choice is resolved before the model is built; unless that kernel is chosen
+(and can run), the room registers `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (or the float32 reference)
+under TRL's name only while its training step (forward and backward) or loss runs, then restores TRL's registration.
+
+On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: no peak-FLOPs
+lookup, and the file-based weight transfer to `python -m dppo_trl.backends.cpu.vllm_server`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +52,7 @@ from dppo_trl.hardening.checkpoints import staged_checkpoint
 from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
 from dppo_trl.hardening.training import hardened_training
 from dppo_trl.kernels.engine_view import engine_list_view, lm_head, logit_transform
+from dppo_trl.kernels.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
@@ -78,6 +84,9 @@ __all__ = [
 ]
 
 
+logger = logging.getLogger(__name__)
+
+
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -105,6 +114,10 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
 
     The parent's `epsilon`/`epsilon_high` clip is not DPPO's trust region; only the `grpo_clip`-family ablations read
     `epsilon`.
+
+    `tree_attention` picks the attention over TRL's packed tree rows (docs/async.md, "Tree attention"): `"auto"` runs
+    TRL's FlashAttention-3 kernel where it loads and runs (CUDA, `kernels` installed, the Hub kernel reachable), else
+    `dppo_trl.kernels.tree_attention.tree_attention_sdpa`, and logs one line saying which and why.
     """
 
     kept_set_logprobs: int | None = field(
@@ -114,6 +127,17 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
             f"lists per token, whose finite ones are the sampler's kept set. `None`: `top_k` when ≤ "
             f"{KEPT_SET_SERVER_LOGPROBS}, else {KEPT_SET_SERVER_LOGPROBS} (the server's `--max-logprobs` must allow "
             "it). As `DPPOConfig.kept_set_logprobs`."
+        },
+    )
+
+    tree_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention over the packed tree rows: 'auto' (TRL's FlashAttention-3 Hub kernel where it loads "
+            "and runs on a CUDA device, else 'sdpa'; one log line says which and why), 'fa3' (TRL's kernel; refused "
+            "before the model is built when it cannot load or run), 'sdpa' (one PyTorch SDPA call per tree segment, "
+            "any device, no O(L^2) score matrix), 'eager' (the float32 plain-PyTorch reference, O(L^2) memory).",
+            "choices": list(TREE_ATTENTION_CHOICES),
         },
     )
 
@@ -127,6 +151,10 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
         super().__post_init__()
         self._resolve_trust_region()
         check_kept_set(self, self.kept_set_size, colocate=False)
+        if self.tree_attention not in TREE_ATTENTION_CHOICES:
+            raise ValueError(
+                f"tree_attention must be one of {list(TREE_ATTENTION_CHOICES)}, got {self.tree_attention!r}."
+            )
         if self.anchor != "behavior":
             raise ValueError(
                 f"anchor={self.anchor!r} is not available asynchronously: a sample can be up to `max_staleness` "
@@ -168,9 +196,23 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
             kwargs["weight_transfer"] = FileWeightTransfer(
                 VLLMClient(args.vllm_server_base_url, args.vllm_server_timeout), args.weight_sync_timeout
             )
+        # Resolved before TRL builds the model, so an explicit "fa3" that cannot run fails before any loading.
+        self.tree_attention_choice = self._resolve_tree_attention(args, on_cpu)
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
+
+    @staticmethod
+    def _resolve_tree_attention(args: AsyncDPPOConfig, on_cpu: bool) -> TreeAttentionChoice:
+        """`args.tree_attention` on this process's device, logged once (a warning when "auto" had to leave FA3 on a
+        GPU: the user most likely expected it)."""
+        device = torch.device("cpu") if on_cpu else args.device
+        choice = resolve_tree_attention(args.tree_attention, device)
+        fell_back = args.tree_attention == "auto" and device.type == "cuda" and choice.name != "fa3"
+        (logger.warning if fell_back else logger.info)(
+            f"Tree attention: {choice.name} (tree_attention={args.tree_attention!r}: {choice.reason})."
+        )
+        return choice
 
     # ------------------------------------------------------------------------------------------------------------
     # Hardening, shared with DPPOTrainer (dppo_trl/hardening/)

@@ -19,7 +19,6 @@ Generation attaches μ (the engine's log-probs), its top-K or kept-set lists and
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math

@@ -237,6 +237,71 @@ def test_loss_seam_gradient_matches_parent(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The tree-attention choice in the trainer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _trainer(tmp_path, **overrides):
+    from dppo_trl import AsyncDPPOTrainer
+
+    return AsyncDPPOTrainer(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=_config(tmp_path, vllm_server_base_url="http://127.0.0.1:1", **overrides),  # never contacted
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+    )
+
+
+def _step_gradient(trainer, batch) -> torch.Tensor:
+    """One `training_step` (TRL's: forward, backward) from zero gradients, under gradient checkpointing."""
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    trainer.training_step(trainer.model, dict(batch), None)
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+
+def test_default_tree_attention_on_cpu_trains_like_the_reference_under_gradient_checkpointing(tmp_path, caplog):
+    """The default ("auto") on CPU is SDPA, said in exactly one log line; a training step with gradient checkpointing
+    (whose backward reruns the forward, outside the loss) gives the gradient of the float32 plain-PyTorch attention,
+    and TRL's FA3 registration is back afterwards."""
+    from transformers import AttentionInterface
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, tree_attention
+
+    from dppo_trl.kernels.tree_attention import tree_attention_sdpa
+
+    with caplog.at_level("INFO", logger="dppo_trl.trainers.async_dppo_trainer"):
+        ours = _trainer(tmp_path / "sdpa", gradient_checkpointing=True)
+    lines = [r.getMessage() for r in caplog.records if "Tree attention" in r.getMessage()]
+    assert lines == ["Tree attention: sdpa (tree_attention='auto': FlashAttention-3 needs a CUDA device, not cpu)."]
+    assert ours.tree_attention_choice.function is tree_attention_sdpa
+    reference = _trainer(tmp_path / "eager", gradient_checkpointing=True, tree_attention="eager")
+    reference.model.load_state_dict(ours.model.state_dict())
+    for trainer in (ours, reference):
+        trainer.model.gradient_checkpointing_enable()  # as Trainer.train does for `gradient_checkpointing=True`
+        assert trainer.model.is_gradient_checkpointing
+    batch = _batch(ours, versions=[0, 0, 0])
+    grad_ours, grad_reference = _step_gradient(ours, batch), _step_gradient(reference, batch)
+    assert grad_ours.abs().max() > 0
+    torch.testing.assert_close(grad_ours, grad_reference, atol=1e-6, rtol=1e-4)
+    assert AttentionInterface._global_mapping[TREE_ATTENTION] is tree_attention
+
+
+def test_explicit_fa3_that_cannot_run_fails_before_the_model_is_built(tmp_path):
+    """No CUDA here, so TRL's kernel cannot run: the error names the fix, and comes before the model is loaded (the
+    model path does not exist, and that is not what fails)."""
+    from dppo_trl import AsyncDPPOTrainer
+
+    with pytest.raises(RuntimeError, match=r"tree_attention='fa3' cannot run: .*To fix: install the `kernels`"):
+        AsyncDPPOTrainer(
+            model=str(tmp_path / "no-such-model"),
+            reward_funcs=byte_mean_reward,
+            args=_config(tmp_path, tree_attention="fa3", vllm_server_base_url="http://127.0.0.1:1"),
+            train_dataset=_dataset(),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The sampling version: queue → TRL's dataset and planner → collator → loss, with TRL's own classes
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -534,6 +599,7 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     trainer, recorder = _train(
         tmp_path, server_url, max_steps=4, max_staleness=2, delta_low=0.05, delta_high=0.05, divergence="binary_tv"
     )
+    assert trainer.tree_attention_choice.name == "sdpa"  # the default on CPU: every step below ran it
     logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
     assert len(logs) == 4
     assert max(entry["sample/staleness_max"] for entry in logs) >= 1

@@ -79,6 +79,7 @@ DECISIONS = {
     ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_topk_cost.py": Covered("tests/system/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/tree_attention.py": Covered("tests/system/test_benchmarks.py"),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")

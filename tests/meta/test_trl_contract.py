@@ -390,6 +390,11 @@ def test_async_packing_sample_worker_and_cpu_contract():
     assert packing.TREE_ATTENTION == trl_contract.TREE_ATTENTION_NAME
     params = inspect.signature(packing.tree_attention).parameters
     assert set(trl_contract.TREE_ATTENTION_PARAMS) <= set(params)
+    loader = getattr(packing, trl_contract.TREE_ATTENTION_LOADER)
+    assert callable(loader) and hasattr(loader, "cache_clear"), "TRL's kernel loader is no longer a cached function"
+    assert not inspect.signature(loader).parameters
+    for fragment in trl_contract.TREE_ATTENTION_LOADER_FRAGMENTS:
+        assert fragment in inspect.getsource(packing.tree_attention), f"TRL's tree_attention changed: {fragment!r}"
     protocol = module.WeightTransferProtocol
     assert all(callable(getattr(protocol, name)) for name in trl_contract.WEIGHT_TRANSFER_METHODS)
     assert all(callable(getattr(VLLMClient, name)) for name in trl_contract.ASYNC_VLLM_CLIENT_METHODS)

@@ -198,3 +198,18 @@ def test_async_topk_cost_runs():
     assert topk["sample"]["array_bytes_per_trained_token"] > binary["sample"]["array_bytes_per_trained_token"]
     assert _is_number(topk["server_response"]["parse_s_per_1k_tokens"])
     assert report["settings"]["k"] == 4 and report["versions"]["trl"]
+
+
+def test_tree_attention_runs():
+    """Smallest rows, both kinds (plain packing and a shared prompt): every implementation that can run here ran, its
+    figures are present, its output equals the float32 function's, and FA3 is skipped with the reason, not failed."""
+    report = _run_script("tree_attention.py", "--quick", "--device", "cpu")
+    assert report["failed"] == [] and set(report["results"]) == {"2x32", "8+2x16"}
+    for spec, row in report["results"].items():
+        for variant in ("sdpa", "eager"):
+            result = row[variant]
+            assert _is_number(result["time_s"]) and _is_number(result["peak_extra_mib"]), (spec, variant)
+            assert result["max_abs_diff_vs_eager"] < 1e-5, (spec, variant)
+        assert row["fa3"] == {"skipped": report["fa3"]} and "CUDA" in report["fa3"]
+        assert set(report["ratios"][spec]) == {"eager_over_sdpa_time", "eager_over_sdpa_memory"}
+    assert report["config"]["device"] == "cpu" and report["config"]["dtype"] == "float32"

@@ -6,15 +6,19 @@ Two parts of TRL 1.16's asynchronous trainer need CUDA:
    `AttentionInterface` as a FlashAttention-3 varlen kernel downloaded from the Hub (`kernels.get_kernel`).
    `tree_attention_cpu` is the same contract in plain PyTorch: each packed segment's queries attend, causally and
    bottom-right aligned (FlashAttention's convention when there are more keys than queries), to the K/V rows of its
-   root-to-segment path. `cpu_tree_attention()` registers it under TRL's name only while its `with` block runs and
-   then puts back whatever was registered before, so no global state is left behind.
+   root-to-segment path, with float32 score matrices per segment (O(L²) memory). It is the reference that
+   `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (the trainer's default wherever FA3 cannot run, CPU
+   included: `AsyncDPPOConfig.tree_attention`) is checked against, and `tree_attention="eager"` runs it.
+   `cpu_tree_attention()` registers it under TRL's name only while its `with` block runs and then puts back whatever
+   was registered before, so no global state is left behind.
 2. **Peak-FLOPs lookup.** `AsyncGRPOTrainer.__init__` asks `torch.cuda.get_device_name` for the device's peak FLOPs
    (for its MFU metric), which raises on a CPU-only torch. `cpu_peak_flops()` answers `None` (MFU off, as TRL does for
    an unknown device) while its block runs; TRL's function is put back on exit.
 
 A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_flops()` and trained inside
-`cpu_tree_attention()` (TRL's constructor registers its FA3 function, so the CPU one goes in afterwards), with
-`weight_transfer=FileWeightTransfer(...)`; `dppo_trl.AsyncDPPOTrainer` does all three itself.
+`cpu_tree_attention()` or `registered_tree_attention(tree_attention_sdpa)` (TRL's constructor registers its FA3
+function, so the other one goes in afterwards), with `weight_transfer=FileWeightTransfer(...)`;
+`dppo_trl.AsyncDPPOTrainer` does all three itself.
 3. **NCCL weight transfer.** `FileWeightTransfer` implements TRL's `WeightTransferProtocol` with the file-based
    reload CPU server mode already uses (`dppo_trl.backends.cpu.weight_sync.reload_server_weights_from_file`: a safetensors file in a
    private temporary directory, reloaded by the server's `WeightReloadExtension` over `/collective_rpc`). The server
@@ -115,24 +119,10 @@ def tree_attention_cpu(
 def cpu_tree_attention() -> Iterator[None]:
     """Register `tree_attention_cpu` (and TRL's no-op mask) under TRL's tree-attention name for the `with` block only,
     then restore the previous registrations (TRL's FA3 kernel, or nothing)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from dppo_trl.kernels.tree_attention import registered_tree_attention
 
-    name = tree_attention_name()
-    saved = []
-    for interface in (AttentionInterface, AttentionMaskInterface):
-        mapping = interface._global_mapping
-        saved.append((mapping, name in mapping, mapping.get(name)))
-    AttentionInterface.register(name, tree_attention_cpu)
-    AttentionMaskInterface.register(name, _no_mask)
-    try:
+    with registered_tree_attention(tree_attention_cpu):
         yield
-    finally:
-        for mapping, had, previous in saved:
-            if had:
-                mapping[name] = previous
-            else:
-                mapping.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -149,11 +139,6 @@ def cpu_peak_flops() -> Iterator[None]:
 
 def _no_peak_flops(accelerator: Any, dtype: str) -> None:
     # TRL's own answer for a device whose peak FLOPs it does not know: MFU metrics off.
-    return None
-
-
-def _no_mask(**kwargs) -> None:
-    # Tree attention builds its own masking from the segment tables; transformers must not build a dense mask.
     return None
 
 

@@ -13,8 +13,9 @@ deleted and the hook becomes TRL's:
 | `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `dppo_trl.trainers.async_topk`) | async-5 |
 | `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
 
-On CPU, TRL's forward runs inside `dppo_trl.backends.cpu.async_cpu.cpu_tree_attention()` (async-4 and the CPU paths
-are the constructor's, in `AsyncDPPOTrainer`). `tests/integration/test_async_dppo.py` pins the normalisation against
+| the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.kernels.tree_attention.registered_tree_attention`) | async-6 |
+
+The CPU paths (async-4) are the constructor's, in `AsyncDPPOTrainer`. `tests/integration/test_async_dppo.py` pins the normalisation against
 TRL's real loss.
 """
 
@@ -47,8 +48,8 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _AsyncRolloutLoop,
 )
 
-from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
 from dppo_trl.kernels.engine_view import backbone, last_hidden_state
+from dppo_trl.kernels.tree_attention import TreeAttentionChoice, registered_tree_attention
 from dppo_trl.trainers.async_topk import (
     BEHAVIOR_TOPK_IDS,
     BEHAVIOR_TOPK_LOGPS,
@@ -281,6 +282,9 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
     rollout_worker: Any
     rollout_queue: Any
 
+    # async-6: the tree attention registered under TRL's name; `None` keeps TRL's FA3 registration.
+    tree_attention_choice: TreeAttentionChoice | None = None
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         logprobs = self._rollout_logprobs()
@@ -368,14 +372,26 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
         )
         # restates-trl: end
 
+    def _tree_attention_registered(self) -> contextlib.AbstractContextManager:
+        """TRL's tree-attention name bound to the chosen function while a forward or backward runs (TRL's own FA3
+        registration stays when FA3 was chosen, or nothing was)."""
+        choice = self.tree_attention_choice
+        function = choice.function if choice is not None else None
+        return registered_tree_attention(function) if function is not None else contextlib.nullcontext()
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's step with the chosen tree attention registered through the backward too: under gradient
+        checkpointing the backward reruns each layer's forward, which looks the attention function up again."""
+        with self._tree_attention_registered():
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus the
         subclass's per-token policy loss on that forward's log-probs, scaled as TRL scales its own."""
         want_hidden = self._wants_hidden_states(inputs)
         forward = KeepForwardOutputs(model, backbone(self.accelerator.unwrap_model(model)) if want_hidden else None)
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
-        attention = cpu_tree_attention() if self.accelerator.device.type == "cpu" else contextlib.nullcontext()
-        with attention:
+        with self._tree_attention_registered():
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
         for key in PARENT_CLIP_METRICS:
             self._metrics["train"].pop(key, None)

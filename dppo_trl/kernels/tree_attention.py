@@ -1,0 +1,310 @@
+# Copyright 2026 The dppo-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""
+Tree attention over TRL's packed rows without TRL's FlashAttention-3 kernel, and the choice between them.
+
+TRL 1.16's `AsyncGRPOTrainer` packs each rank's samples into a prefix trie (`trl.experimental.async_grpo.packing.
+TreeRow`) and builds the model with `attn_implementation="tree_fa3"`: a FlashAttention-3 varlen kernel fetched from
+the Hugging Face Hub at run time. The contract of that attention: segment `s` owns the queries `cu_q[s]:cu_q[s+1]` of
+the packed row and attends to the K/V rows `tree_kv_index[cu_k[s]:cu_k[s+1]]` (its root-to-segment path, its own rows
+last), causally and bottom-right aligned (query `i` of the segment sees path row `p` iff `p <= i + L_k - L_q`), with
+grouped-query heads, an optional sliding window (`p > i + L_k - L_q - w`) and an optional logit softcap.
+
+- [`tree_attention_sdpa`]: that contract with `torch.nn.functional.scaled_dot_product_attention`, one call per segment
+  on its gathered path, so no `[L_q, L_k]` score matrix is ever materialized (flash / memory-efficient backends on
+  CUDA, the fused CPU kernel on CPU). Softcap, which SDPA cannot apply, goes through a query-chunked softmax
+  recomputed in backward, whose memory is bounded by a chunk rather than by `L_q * L_k`.
+- [`resolve_tree_attention`]: what `AsyncDPPOConfig.tree_attention` means on a device (TRL's kernel where it loads and
+  runs, else `tree_attention_sdpa`), with the reason.
+- [`registered_tree_attention`]: registers a function under TRL's name for a `with` block, then restores what was
+  there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "TREE_ATTENTION_CHOICES",
+    "TreeAttentionChoice",
+    "fa3_unavailable",
+    "registered_tree_attention",
+    "resolve_tree_attention",
+    "tree_attention_sdpa",
+]
+
+# `AsyncDPPOConfig.tree_attention`: "auto" picks; "fa3" is TRL's Hub kernel; "sdpa" is `tree_attention_sdpa`;
+# "eager" is the float32 reference `dppo_trl.backends.cpu.async_cpu.tree_attention_cpu` (O(L^2) memory: debugging).
+TREE_ATTENTION_CHOICES = ("auto", "fa3", "sdpa", "eager")
+
+# Query rows per SDPA call where an explicit mask is needed (sliding window; bottom-right alignment off CUDA): the
+# boolean mask is at most `_MASK_QUERY_CHUNK x (L_k)` instead of `L_q x L_k`.
+_MASK_QUERY_CHUNK = 2048
+# Softcap: score elements (heads x query rows x keys) per chunk of the explicit softmax, 2**25 = 128 MiB in float32.
+_SOFTCAP_CHUNK_ELEMENTS = 1 << 25
+
+FA3_FIX = (
+    "install the `kernels` package (`pip install kernels`, TRL's `kernels` extra) and make the Hub repository "
+    "`kernels-community/flash-attn3` loadable (Hub access, or a copy in the Hugging Face cache with HF_HUB_OFFLINE=1), "
+    "on a GPU FlashAttention-3 supports (Hopper: H100/H200); or set `tree_attention='sdpa'` (or 'auto')"
+)
+
+
+def tree_attention_sdpa(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    tree_kv_index: torch.Tensor,
+    tree_cu_seqlens_q: torch.Tensor,
+    tree_cu_seqlens_k: torch.Tensor,
+    tree_max_seqlen_q=None,
+    tree_max_seqlen_k=None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    mask_query_chunk: int = _MASK_QUERY_CHUNK,
+    softcap_chunk_elements: int = _SOFTCAP_CHUNK_ELEMENTS,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Tree attention over a packed row (TRL's `tree_fa3` contract, see the module docstring) with one SDPA call per
+    segment, in the inputs' dtype.
+
+    `query` is `(1, heads, N, head_dim)`, `key`/`value` `(1, kv_heads, N, head_dim)` with `heads % kv_heads == 0`.
+    Returns `((1, N, heads, head_dim), None)` like transformers' attention functions. The paths' K/V rows are gathered
+    once, as TRL's FA3 call gathers them; grouped-query K/V are then repeated per segment (SDPA's own GQA support
+    depends on the backend), so the K/V kept for backward are `heads / kv_heads` times those of a GQA-aware kernel.
+    `mask_query_chunk` (query rows per masked SDPA call) and `softcap_chunk_elements` (score elements per softcap
+    chunk) bound the transient memory of those two paths.
+    """
+    if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1:
+        raise ValueError(
+            f"Tree attention takes one packed row, `(1, heads, N, head_dim)`; got query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}."
+        )
+    _, heads, n_tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly.")
+    cu_q, cu_k = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
+    if len(cu_q) != len(cu_k) or cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != n_tokens:
+        raise ValueError(
+            f"tree_cu_seqlens_q must run from 0 to the row's {n_tokens} tokens and tree_cu_seqlens_k must start at 0 "
+            f"with one entry per segment boundary as well; got {len(cu_q)} and {len(cu_k)} boundaries, "
+            f"cu_q[-1] = {cu_q[-1]}."
+        )
+    if tree_kv_index.numel() != cu_k[-1]:
+        raise ValueError(f"tree_kv_index has {tree_kv_index.numel()} rows but tree_cu_seqlens_k ends at {cu_k[-1]}.")
+    if mask_query_chunk < 1 or softcap_chunk_elements < 1:
+        raise ValueError("mask_query_chunk and softcap_chunk_elements must be >= 1.")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    window = sliding_window or None
+    # One gather for every path (as TRL's FA3 call does), so the backward is one scatter rather than one per segment.
+    kv_index = tree_kv_index.long()
+    key_paths, value_paths = key.index_select(2, kv_index), value.index_select(2, kv_index)
+    outputs = []
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        if q1 - q0 > k1 - k0:
+            raise ValueError(f"Segment {s} has {q1 - q0} queries but a path of only {k1 - k0} K/V rows.")
+        if q1 == q0:
+            continue
+        q, k, v = query[:, :, q0:q1], key_paths[:, :, k0:k1], value_paths[:, :, k0:k1]
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            v = v.repeat_interleave(heads // kv_heads, dim=1)
+        if softcap:
+            outputs.append(_softcapped_segment(q, k, v, scale, window, softcap, dropout, softcap_chunk_elements))
+        else:
+            outputs.append(_sdpa_segment(q, k, v, scale, window, dropout, mask_query_chunk))
+    out = torch.cat(outputs, dim=2) if outputs else query.new_zeros(query.shape)
+    return out.transpose(1, 2), None
+
+
+def _sdpa_segment(q, k, v, scale: float, window: int | None, dropout: float, chunk: int) -> torch.Tensor:
+    """One segment: `(1, H, L_q, D)` queries over its `(1, H, L_k, D)` path, bottom-right causal."""
+    len_q, len_k = q.shape[2], k.shape[2]
+    windowed = window is not None and window < len_k
+    if not windowed and len_q == len_k:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+    if not windowed and q.device.type == "cuda":
+        # SDPA's `is_causal` is top-left aligned; its lower-right bias runs the flash or memory-efficient kernel with
+        # bottom-right alignment and never builds the mask there.
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(len_q, len_k)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scale)
+    # An explicit boolean mask, a chunk of query rows at a time, over only the keys that chunk can see.
+    chunks = []
+    for r0 in range(0, len_q, chunk):
+        r1 = min(r0 + chunk, len_q)
+        lo, hi, allowed = _chunk_keys(r0, r1, len_q, len_k, window, q.device)
+        chunks.append(
+            F.scaled_dot_product_attention(
+                q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=allowed, dropout_p=dropout, scale=scale
+            )
+        )
+    return torch.cat(chunks, dim=2)
+
+
+def _chunk_keys(r0: int, r1: int, len_q: int, len_k: int, window: int | None, device) -> tuple[int, int, torch.Tensor]:
+    """Path rows `[lo, hi)` that query rows `[r0, r1)` can see, and the `(r1 - r0, hi - lo)` boolean mask over them."""
+    offset = len_k - len_q  # query row r is path row r + offset
+    hi = r1 + offset
+    lo = max(0, r0 + offset - window + 1) if window is not None else 0
+    rows = torch.arange(r0 + offset, r1 + offset, device=device).unsqueeze(1)
+    cols = torch.arange(lo, hi, device=device).unsqueeze(0)
+    allowed = cols <= rows
+    if window is not None:
+        allowed = allowed & (cols > rows - window)
+    return lo, hi, allowed
+
+
+def _softcapped_segment(
+    q, k, v, scale: float, window: int | None, softcap: float, dropout: float, chunk_elements: int
+) -> torch.Tensor:
+    """SDPA has no softcap: an explicit (at least float32) softmax of `softcap * tanh(scores / softcap)`, a chunk of
+    query rows at a time, each recomputed in backward (`torch.utils.checkpoint`), so at most one chunk's scores live."""
+    heads, len_q, len_k = q.shape[1], q.shape[2], k.shape[2]
+    rows_per_chunk = max(1, min(len_q, chunk_elements // max(1, heads * len_k)))
+    chunks = []
+    for r0 in range(0, len_q, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, len_q)
+        lo, hi, allowed = _chunk_keys(r0, r1, len_q, len_k, window, q.device)
+        args = (q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi], allowed)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in args[:3]):
+            chunks.append(checkpoint(_softcapped_chunk, *args, scale, softcap, dropout, use_reentrant=False))
+        else:
+            chunks.append(_softcapped_chunk(*args, scale, softcap, dropout))
+    return torch.cat(chunks, dim=2)
+
+
+def _softcapped_chunk(q, k, v, allowed, scale: float, softcap: float, dropout: float) -> torch.Tensor:
+    dtype = torch.promote_types(q.dtype, torch.float32)  # float32 at least (bf16 scores lose the softmax's tail)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+    if dropout:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registration and choice
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def registered_tree_attention(function: Callable) -> Iterator[None]:
+    """Register `function` (and TRL's no-op mask) under TRL's tree-attention name for the `with` block only, then
+    restore the previous registrations (TRL's FA3 function, or nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION
+
+    saved = []
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        mapping = interface._global_mapping
+        saved.append((mapping, TREE_ATTENTION in mapping, mapping.get(TREE_ATTENTION)))
+    AttentionInterface.register(TREE_ATTENTION, function)
+    AttentionMaskInterface.register(TREE_ATTENTION, _no_mask)
+    try:
+        yield
+    finally:
+        for mapping, had, previous in saved:
+            if had:
+                mapping[TREE_ATTENTION] = previous
+            else:
+                mapping.pop(TREE_ATTENTION, None)
+
+
+def _no_mask(**kwargs) -> None:
+    # Tree attention builds its own masking from the segment tables; transformers must not build a dense mask.
+    return None
+
+
+@dataclass(frozen=True)
+class TreeAttentionChoice:
+    """What runs as TRL's tree attention: `name` ("fa3", "sdpa" or "eager"), the `function` to register under TRL's
+    name while the trainer's forward and backward run (`None`: TRL's own FA3 registration stays), and why."""
+
+    name: str
+    function: Callable | None
+    reason: str
+
+
+def fa3_unavailable(device: torch.device) -> str | None:
+    """Why TRL's FlashAttention-3 tree attention cannot run on `device`, or `None` when it can.
+
+    On CUDA it loads the kernel through TRL's own loader (`packing._flash_attn`, `kernels.get_kernel` from the Hub,
+    cached by TRL once it succeeds) and runs TRL's `tree_attention` once on a two-token row, so a kernel that loads but
+    has no build for this card is caught here rather than in the first training step."""
+    if device.type != "cuda":
+        return f"FlashAttention-3 needs a CUDA device, not {device.type}"
+    from trl.experimental.async_grpo import packing
+
+    try:
+        packing._flash_attn()
+    except Exception as error:  # any failure to load is a reason to say, not to crash "auto"
+        return f"loading kernels-community/flash-attn3 failed ({type(error).__name__}: {error})"
+    try:
+        q = torch.randn(1, 1, 2, 64, device=device, dtype=torch.bfloat16)
+        packing.tree_attention(
+            None,
+            q,
+            q,
+            q,
+            None,
+            tree_kv_index=torch.arange(2, device=device),
+            tree_cu_seqlens_q=torch.tensor([0, 2], device=device, dtype=torch.int32),
+            tree_cu_seqlens_k=torch.tensor([0, 2], device=device, dtype=torch.int32),
+            tree_max_seqlen_q=2,
+            tree_max_seqlen_k=2,
+        )
+        torch.cuda.synchronize(device)
+    except Exception as error:
+        return f"the kernel loaded but does not run on this GPU ({type(error).__name__}: {error})"
+    return None
+
+
+def resolve_tree_attention(choice: str, device: torch.device) -> TreeAttentionChoice:
+    """The tree attention `AsyncDPPOConfig.tree_attention = choice` runs on `device`.
+
+    "auto": TRL's FA3 kernel where it loads and runs (CUDA), else `tree_attention_sdpa`. "fa3" raises a `RuntimeError`
+    naming the fix when the kernel cannot run. "sdpa" and "eager" are taken as asked."""
+    from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
+
+    if choice not in TREE_ATTENTION_CHOICES:
+        raise ValueError(f"tree_attention must be one of {TREE_ATTENTION_CHOICES}, got {choice!r}.")
+    if choice == "sdpa":
+        return TreeAttentionChoice("sdpa", tree_attention_sdpa, "tree_attention='sdpa' was asked for")
+    if choice == "eager":
+        return TreeAttentionChoice("eager", tree_attention_cpu, "tree_attention='eager' was asked for")
+    failure = fa3_unavailable(device)
+    if failure is None:
+        return TreeAttentionChoice("fa3", None, "TRL's FlashAttention-3 kernel loaded and ran on this GPU")
+    if choice == "fa3":
+        raise RuntimeError(f"tree_attention='fa3' cannot run: {failure}. To fix: {FA3_FIX}.")
+    return TreeAttentionChoice("sdpa", tree_attention_sdpa, failure)
