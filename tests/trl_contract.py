@@ -27,6 +27,10 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
     "_save_checkpoint": ("self", "model", "trial"),
     "train": ("self",),
+    # Marks the span in which a turn with no room left in the engine's context ends its rollout instead of raising
+    # (`dppo_trl/trainers/context_fit.py`). Removed by: a per-turn context check in TRL's tool loop that asks the
+    # backend for its context length (docs/upstream.md, "Context length in the tool loop").
+    "_tool_call_loop": ("self",),
 }
 
 # Of those, the static methods: on the class DPPOTrainer's are TRL's own, same signature (TRL's tests call them there).
@@ -124,6 +128,28 @@ TOOL_LOOP_FRAGMENTS = (
     "tool_mask[idx_with_tool] += [0] * tool_length + [1] * post_tool_length",
     "completion_ids[idx_with_tool] = pct[prompt_length:] + post_tool_ids[idx]",
     "idxs_with_tool = [idx for idx, tool_call in zip(idxs_with_tool, tool_calls, strict=True) if tool_call]",
+)
+# Context fit (`dppo_trl/trainers/context_fit.py`). TRL asks every turn for `max_completion_length` tokens through
+# one request (server: `VLLMClient.generate(prompts=..., max_tokens=..., generation_kwargs=...)` by keyword, on the
+# main process; colocate: one `SamplingParams` for token-id prompts), which the fit replaces per prompt. Its tool loop
+# drops a tool result when `len(pct) >= max_model_len`, reading the colocated engine's context but, in server mode,
+# the model config's `max_position_embeddings` (not the server's `--max-model-len`), so only in server mode can a
+# turn with no room reach the fit; an empty post-tool turn is handled as a turn cut to nothing (`{}`, no tool call).
+# Removed by: the tool loop fitting `max_tokens` to the backend's context itself (docs/upstream.md, "Context length in
+# the tool loop").
+VLLM_GENERATE_CONTEXT_FRAGMENTS = (
+    '"max_tokens": max_completion_length,',
+    "prompts=ordered_set_of_prompt_ids, features=features, **sampling_params",
+    '"generation_kwargs": self.generation_kwargs,',
+    'vllm_prompts = [{"prompt_token_ids": ids} for ids in all_prompts]',
+    "self.llm.generate(vllm_prompts, sampling_params=sampling_params, use_tqdm=False)",
+)
+TOOL_LOOP_CONTEXT_FRAGMENTS = (
+    "max_model_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len",
+    "max_model_len = config.max_position_embeddings",
+    "or len(pct) >= max_model_len",
+    "if post_tool_completions[idx]:",
+    "else {}",
 )
 
 # Helpers imported from `trl.trainer.utils`.

@@ -104,6 +104,15 @@ def test_tool_loop_contract_for_topk_placement():
         assert fragment in loop, f"GRPOTrainer._tool_call_loop changed: missing {fragment!r}"
 
 
+def test_context_fit_contract():
+    source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
+    for fragment in trl_contract.VLLM_GENERATE_CONTEXT_FRAGMENTS:
+        assert fragment in source, f"VLLMGeneration.generate changed: missing {fragment!r}"
+    loop = inspect.getsource(GRPOTrainer._tool_call_loop)
+    for fragment in trl_contract.TOOL_LOOP_CONTEXT_FRAGMENTS:
+        assert fragment in loop, f"GRPOTrainer._tool_call_loop changed: missing {fragment!r}"
+
+
 def test_generation_batch_keys_are_produced():
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     for key in trl_contract.GENERATION_OUTPUT_KEYS + trl_contract.GENERATION_OPTIONAL_KEYS:
