@@ -27,6 +27,7 @@ HOOKS = {
     "async-3": "3. Keep `model_version` on every rank",
     "async-4": "4. The peak-FLOPs lookup on a machine without CUDA",
     "async-5": "5. A `logprobs` option in the rollout worker, carried to the batch",
+    "async-6": "6. Context length in the rollout worker",
 }
 
 REMOVED_BY: dict[str, str | dict[str, str]] = {
@@ -116,6 +117,10 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "ASYNC_WORKER_SAMPLING_FRAGMENTS": "async-5",
     "ASYNC_TRAINER_SAMPLING_FRAGMENTS": "async-5",
     "ASYNC_WORKER_FRAGMENTS_CONTROLLER": "async-5",
+    "ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS": "async-6",
+    "ASYNC_CONTEXT_WORKER_FRAGMENTS": "async-6",
+    "ASYNC_PUSH_ROLLOUT_METRICS_PARAMS": "async-6",
+    "ASYNC_COUNTER_METRIC_FRAGMENT": KEPT,  # how TRL logs any worker counter, hook or not
     "ASYNC_TRAINER_WORKER_FRAGMENTS": "async-5",
     "JIT_CHECKPOINT_FRAGMENTS": KEPT,
     "VLLM_CLIENT_RETRY_FRAGMENTS": KEPT,

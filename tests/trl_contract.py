@@ -340,6 +340,39 @@ TRAINING_SEQUENCE_FIELDS = ("input_ids", "completion_mask", "old_log_probs", "ro
 # → the same `logprobs` option of the worker (docs/upstream.md, "AsyncGRPOTrainer" item 5) removes this pin too.
 ASYNC_WORKER_SAMPLING_FRAGMENTS = ('"top_p": self.top_p,', '"top_k": self.top_k,', 'payload["min_p"] = self.min_p')
 ASYNC_TRAINER_SAMPLING_FRAGMENTS = ("top_p=self.args.top_p,", "top_k=self.args.top_k,", "min_p=self.args.min_p,")
+# Context fit in async (dppo_trl/trainers/async_context.py): `ContextFitRolloutLoop` (the base of `TopKRolloutLoop`)
+# caps each completions request's `max_tokens` at the room left in the server's context (`_post`), counts the turn
+# (`_generate_one_turn`), records each turn and tool result of the conversation's task (`_generate_one_turn`,
+# `_execute_tool_calls`) and, when a later turn has no room, returns `_generate_one`'s result for the turns so far,
+# parsed and reconciled as TRL does (`parse_response`, `_chain_to_sequences`, `_push_rollout_metrics`). The worker
+# sends `self.max_tokens` every turn, and retries an HTTP 400 as a transport error (`aiohttp.ClientError`), so a turn
+# over the context stalls and then kills the worker. Its counters are summed when their name holds `total`.
+# → the worker fitting `max_tokens` to the server's context and ending the conversation itself (docs/upstream.md,
+# "AsyncGRPOTrainer" item 6) removes this block.
+ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_post": ("self", "path", "payload", "timeout", "max_retries"),
+    "_generate_one_turn": ("self", "prompt_ids"),
+    "_execute_tool_calls": ("self", "tool_calls", "tool_dict"),
+    "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),
+}
+ASYNC_CONTEXT_WORKER_FRAGMENTS = (
+    '"max_tokens": self.max_tokens,',
+    "turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)",
+    "assistant_message = parse_response(self.tokenizer, turn_ids, prefix=prompt_ids, tools=tools)",
+    "tool_messages, n_calls, n_failures = await self._execute_tool_calls(tool_calls, tool_dict)",
+    "completion.extend(tool_messages)",
+    "_RETRYABLE_HTTP_ERRORS = (aiohttp.ClientError,",
+)
+ASYNC_PUSH_ROLLOUT_METRICS_PARAMS = (
+    "self",
+    "turns",
+    "sequences",
+    "completion_ids",
+    "tally",
+    "loop_exhausted",
+    "duration_s",
+)
+ASYNC_COUNTER_METRIC_FRAGMENT = 'if "total" in words:'
 # The worker's class attribute naming its loop, and its stored constructor arguments.
 ASYNC_WORKER_FRAGMENTS_CONTROLLER = ("_loop_cls:", "self._loop_kwargs = loop_kwargs", "self._loop_cls,")
 # `AsyncGRPOTrainer.__init__` builds the worker and the queue it reads; the worker starts on train begin.

@@ -92,6 +92,7 @@ from dppo_trl.core.functional import kept_log_mass, sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
+from dppo_trl.trainers.async_context import ContextFitRolloutWorker
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, TopKRolloutWorker, behavior_topk
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
@@ -320,10 +321,14 @@ class AsyncDPPOTrainer(AsyncGRPOTrainer):
         # Entries per token the worker asks the server for: N (truncated sampling, whose first K + 1 slots are also
         # the top-K lists), else K (top-K divergences), else none.
         self._engine_list_size = args.kept_set_size or (args.divergence_top_k if args.uses_top_k else None)
-        if self._engine_list_size is not None and type(self.rollout_worker) is AsyncRolloutWorker:
+        if type(self.rollout_worker) is AsyncRolloutWorker:
             # TRL built its own worker (none was passed) and starts it on train begin: run the same worker with the
-            # loop that also asks for μ's lists. A worker passed in must push `TopKRolloutSample`s itself.
-            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, self._engine_list_size)
+            # loop that fits each turn to the server's context (`async_context`) and, for top-K or truncated
+            # sampling, also asks for μ's lists. A worker passed in must do both itself.
+            if self._engine_list_size is not None:
+                self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, self._engine_list_size)
+            else:
+                self.rollout_worker = ContextFitRolloutWorker.like(self.rollout_worker)
             self.rollout_queue = self.rollout_worker.rollout_buffer
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
         # (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.

@@ -39,10 +39,10 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     RolloutSample,
     TrainingSequence,
     TurnRecord,
-    _AsyncRolloutLoop,
     _chain_to_sequences,
 )
 
+from dppo_trl.trainers.async_context import ContextFitRolloutLoop, _current_task
 from dppo_trl.trainers.vllm_topk import PAD_ID, topk_entries_to_tensors
 
 __all__ = [
@@ -152,17 +152,10 @@ def rows_topk(
     return out
 
 
-def _current_task() -> asyncio.Task:
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
-    return task
-
-
-class TopKRolloutLoop(_AsyncRolloutLoop):
+class TopKRolloutLoop(ContextFitRolloutLoop):
     """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
-    on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
-    advantages — is TRL's."""
+    on with each sample (`TopKRolloutSample`). Turns are fitted to the server's context as in
+    `ContextFitRolloutLoop`; everything else — tools, environments, re-rendering, rewards, advantages — is TRL's."""
 
     def __init__(self, *, logprobs_top_k: int, **kwargs: Any):
         super().__init__(**kwargs)
