@@ -269,8 +269,24 @@ class VerboseCalculatorEnv(CalculatorEnv):
         return str(a * b)
 
 
-@pytest.mark.parametrize("divergence", ["binary_tv", "topk_tv"])
-def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp_path, server_port, divergence):
+def verbose_multiply(a: int, b: int) -> int:
+    """
+    Multiply a by b.
+
+    Args:
+        a: first factor
+        b: second factor
+    """
+    env = VerboseCalculatorEnv()
+    env.reset()
+    return env.multiply(a, b)  # shares the process-wide call count: every other call answers at length
+
+
+verbose_multiply.__name__ = "multiply"  # same schema as the tool the agent was trained with
+
+
+@pytest.mark.parametrize(("divergence", "agent"), [("binary_tv", "tools"), ("topk_tv", "environment_factory")])
+def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp_path, server_port, divergence, agent):
     """Server context 256, `max_completion_length` 400: every first turn asks for more than the room left (its
     `max_tokens` is cut to the room: clamped turns), and a turn after a long tool result has no room at all (the
     rollout ends there, on the tool result, as truncated: ended turns). No request fails, μ and its lists at every
@@ -303,7 +319,7 @@ def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp
         args=args,
         train_dataset=_dataset(),
         processing_class=tokenizer,
-        environment_factory=VerboseCalculatorEnv,
+        **({"tools": [verbose_multiply]} if agent == "tools" else {"environment_factory": VerboseCalculatorEnv}),
     )
     original = trainer._generate_and_score_completions
     first = []
