@@ -19,6 +19,7 @@ HOOKS = {
     "grpo-3": "3. Opening the ratio clip",
     "grpo-4": "4. An aggregation helper for extra per-token terms",
     "grpo-5": "5. Per-turn engine extras in the tool loop",
+    "grpo-6": "6. Context length in the tool loop",
     "cpu-1": "1. The colocated engine's arguments (`trl.generation.vllm_generation.LLM`)",
     "cpu-2": "2. The server client class (`trl.generation.vllm_generation.VLLMClient`)",
     "async-1": "1. Keep `model_version` in the sample dict and the batch",
@@ -27,6 +28,7 @@ HOOKS = {
     "async-4": "4. The peak-FLOPs lookup on a machine without CUDA",
     "async-5": "5. A `logprobs` option in the rollout worker, carried to the batch",
     "async-6": "6. A tree-attention choice, checked before the model is built",
+    "async-7": "7. Context length in the rollout worker",
 }
 
 REMOVED_BY: dict[str, str | dict[str, str]] = {
@@ -35,6 +37,7 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
         "_get_per_token_logps_and_entropies": KEPT,  # the final hidden states for top-K, besides the declined pass
         "_compute_loss": "grpo-2",  # only sets the per-call slot
         "get_off_policy_mask": "grpo-2",
+        "_tool_call_loop": "grpo-6",
     },
     "HARDENING_OVERRIDDEN_METHODS": KEPT,
     "STATIC_METHODS": "grpo-2",
@@ -70,6 +73,8 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "GENERATE_SINGLE_TURN_FRAGMENTS": KEPT,
     "VLLM_GENERATE_PROMPT_FRAGMENTS": "grpo-5",
     "TOOL_LOOP_FRAGMENTS": "grpo-5",
+    "VLLM_GENERATE_CONTEXT_FRAGMENTS": "grpo-6",
+    "TOOL_LOOP_CONTEXT_FRAGMENTS": "grpo-6",
     "UTILS": KEPT,
     "TRAINER_SAVE_CHECKPOINT_FRAGMENTS": KEPT,
     "GRPO_SAVE_CHECKPOINT_FRAGMENTS": KEPT,
@@ -118,6 +123,10 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "ASYNC_WORKER_SAMPLING_FRAGMENTS": "async-5",
     "ASYNC_TRAINER_SAMPLING_FRAGMENTS": "async-5",
     "ASYNC_WORKER_FRAGMENTS_CONTROLLER": "async-5",
+    "ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS": "async-7",
+    "ASYNC_CONTEXT_WORKER_FRAGMENTS": "async-7",
+    "ASYNC_PUSH_ROLLOUT_METRICS_PARAMS": "async-7",
+    "ASYNC_COUNTER_METRIC_FRAGMENT": KEPT,  # how TRL logs any worker counter, hook or not
     "ASYNC_TRAINER_WORKER_FRAGMENTS": "async-5",
     "JIT_CHECKPOINT_FRAGMENTS": KEPT,
     "VLLM_CLIENT_RETRY_FRAGMENTS": KEPT,

@@ -24,6 +24,10 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
         "mask",
         "off_policy_threshold",
     ),
+    # Marks the span in which a turn with no room left in the engine's context ends its rollout instead of raising
+    # (`dppo_trl/trainers/trl116/context_fit.py`). Removed by: a per-turn context check in TRL's tool loop that asks the
+    # backend for its context length (docs/upstream.md, "Context length in the tool loop").
+    "_tool_call_loop": ("self",),
 }
 
 # The methods both trainers override for the hardening (dppo_trl/hardening/: staged checkpoints, preemption and
@@ -130,6 +134,28 @@ TOOL_LOOP_FRAGMENTS = (
     "tool_mask[idx_with_tool] += [0] * tool_length + [1] * post_tool_length",
     "completion_ids[idx_with_tool] = pct[prompt_length:] + post_tool_ids[idx]",
     "idxs_with_tool = [idx for idx, tool_call in zip(idxs_with_tool, tool_calls, strict=True) if tool_call]",
+)
+# Context fit (`dppo_trl/trainers/trl116/context_fit.py`). TRL asks every turn for `max_completion_length` tokens through
+# one request (server: `VLLMClient.generate(prompts=..., max_tokens=..., generation_kwargs=...)` by keyword, on the
+# main process; colocate: one `SamplingParams` for token-id prompts), which the fit replaces per prompt. Its tool loop
+# drops a tool result when `len(pct) >= max_model_len`, reading the colocated engine's context but, in server mode,
+# the model config's `max_position_embeddings` (not the server's `--max-model-len`), so only in server mode can a
+# turn with no room reach the fit; an empty post-tool turn is handled as a turn cut to nothing (`{}`, no tool call).
+# Removed by: the tool loop fitting `max_tokens` to the backend's context itself (docs/upstream.md, "Context length in
+# the tool loop").
+VLLM_GENERATE_CONTEXT_FRAGMENTS = (
+    '"max_tokens": max_completion_length,',
+    "prompts=ordered_set_of_prompt_ids, features=features, **sampling_params",
+    '"generation_kwargs": self.generation_kwargs,',
+    'vllm_prompts = [{"prompt_token_ids": ids} for ids in all_prompts]',
+    "self.llm.generate(vllm_prompts, sampling_params=sampling_params, use_tqdm=False)",
+)
+TOOL_LOOP_CONTEXT_FRAGMENTS = (
+    "max_model_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len",
+    "max_model_len = config.max_position_embeddings",
+    "or len(pct) >= max_model_len",
+    "if post_tool_completions[idx]:",
+    "else {}",
 )
 
 # Helpers imported from `trl.trainer.utils`.
@@ -330,6 +356,39 @@ TRAINING_SEQUENCE_FIELDS = ("input_ids", "completion_mask", "old_log_probs", "ro
 # → the same `logprobs` option of the worker (docs/upstream.md, "AsyncGRPOTrainer" item 5) removes this pin too.
 ASYNC_WORKER_SAMPLING_FRAGMENTS = ('"top_p": self.top_p,', '"top_k": self.top_k,', 'payload["min_p"] = self.min_p')
 ASYNC_TRAINER_SAMPLING_FRAGMENTS = ("top_p=self.args.top_p,", "top_k=self.args.top_k,", "min_p=self.args.min_p,")
+# Context fit in async (dppo_trl/trainers/trl116/async_context.py): `ContextFitRolloutLoop` (the base of `TopKRolloutLoop`)
+# caps each completions request's `max_tokens` at the room left in the server's context (`_post`), counts the turn
+# (`_generate_one_turn`), records each turn and tool result of the conversation's task (`_generate_one_turn`,
+# `_execute_tool_calls`) and, when a later turn has no room, returns `_generate_one`'s result for the turns so far,
+# parsed and reconciled as TRL does (`parse_response`, `_chain_to_sequences`, `_push_rollout_metrics`). The worker
+# sends `self.max_tokens` every turn, and retries an HTTP 400 as a transport error (`aiohttp.ClientError`), so a turn
+# over the context stalls and then kills the worker. Its counters are summed when their name holds `total`.
+# → the worker fitting `max_tokens` to the server's context and ending the conversation itself (docs/upstream.md,
+# "AsyncGRPOTrainer" item 6) removes this block.
+ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_post": ("self", "path", "payload", "timeout", "max_retries"),
+    "_generate_one_turn": ("self", "prompt_ids"),
+    "_execute_tool_calls": ("self", "tool_calls", "tool_dict"),
+    "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),
+}
+ASYNC_CONTEXT_WORKER_FRAGMENTS = (
+    '"max_tokens": self.max_tokens,',
+    "turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)",
+    "assistant_message = parse_response(self.tokenizer, turn_ids, prefix=prompt_ids, tools=tools)",
+    "tool_messages, n_calls, n_failures = await self._execute_tool_calls(tool_calls, tool_dict)",
+    "completion.extend(tool_messages)",
+    "_RETRYABLE_HTTP_ERRORS = (aiohttp.ClientError,",
+)
+ASYNC_PUSH_ROLLOUT_METRICS_PARAMS = (
+    "self",
+    "turns",
+    "sequences",
+    "completion_ids",
+    "tally",
+    "loop_exhausted",
+    "duration_s",
+)
+ASYNC_COUNTER_METRIC_FRAGMENT = 'if "total" in words:'
 # The worker's class attribute naming its loop, and its stored constructor arguments.
 ASYNC_WORKER_FRAGMENTS_CONTROLLER = ("_loop_cls:", "self._loop_kwargs = loop_kwargs", "self._loop_cls,")
 # `AsyncGRPOTrainer.__init__` builds the worker and the queue it reads; the worker starts on train begin.

@@ -51,6 +51,7 @@ from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.trl116.context_fit import ContextFit, fit_client_to_context, fit_engine_to_context
 from dppo_trl.trainers.trl116.grpo import HookedGRPOTrainer, PolicyPass, PolicyTerms
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
 
@@ -119,8 +120,17 @@ class DPPOTrainer(HookedGRPOTrainer):
         self._vllm_topk: VLLMTopKCapture | None = None
         # Truncated sampling with vLLM: N, the entries per token the engine lists; its finite ones are the kept set.
         self._kept_set_size = self.args.kept_set_size
+        # Each turn's max_tokens fitted to the room left in the engine's context (`dppo_trl/trainers/trl116/context_fit.py`).
+        self._context_fit = ContextFit()
         if self.args.use_vllm:
-            self._check_vllm_server()
+            server_model_config = self._check_vllm_server()
+            if self.args.vllm_mode == "colocate":
+                llm = self.vllm_generation.llm
+                self._context_fit = ContextFit(llm.llm_engine.model_config.max_model_len)
+                fit_engine_to_context(llm, self._context_fit)
+            elif server_model_config is not None:  # the main process, the only one that talks to the server
+                self._context_fit = ContextFit(int(server_model_config["max_model_len"]))
+                fit_client_to_context(self.vllm_generation.vllm_client, self._context_fit)
             if self._kept_set_size is not None:
                 self._vllm_topk = VLLMTopKCapture(self.vllm_generation, self._kept_set_size)
             elif self.trust_region_spec.uses_top_k and self.args.anchor == "behavior":
@@ -194,7 +204,9 @@ class DPPOTrainer(HookedGRPOTrainer):
         """Generate with the parent, then attach μ (also as the anchor in the parent's π_old slot) and its lists."""
         if self._vllm_topk is not None:
             self._vllm_topk.reset()
+        self._context_fit.reset()
         output = super()._generate_and_score_completions(inputs)
+        self._log_context_fit()
         mask = (
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         )
@@ -219,6 +231,25 @@ class DPPOTrainer(HookedGRPOTrainer):
         elif topk is not None:
             output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS] = topk
         return self._with_anchor_in_old_slot(output)
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """The parent's tool loop; while it runs, a turn whose prompt leaves the engine no room ends its rollout as
+        truncated instead of raising (`ContextFit`)."""
+        with self._context_fit.tool_loop():
+            return super()._tool_call_loop(*args, **kwargs)
+
+    def _log_context_fit(self) -> None:
+        """Turns of this generation batch, over all processes, whose max_tokens was cut to the room left in the
+        engine's context (`completions/context_clamped_turns`) or that had no room and ended their rollout
+        (`completions/context_ended_turns`)."""
+        if not self.args.use_vllm:
+            return
+        fit = self._context_fit
+        counts = torch.tensor([fit.clamped_turns, fit.ended_turns], device=self.accelerator.device)
+        clamped, ended = self.accelerator.reduce(counts, reduction="sum").tolist()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["completions/context_clamped_turns"].append(float(clamped))
+        self._metrics[mode]["completions/context_ended_turns"].append(float(ended))
 
     def _check_liger_device(self) -> None:
         """`use_liger_kernel=True` needs CUDA: Liger's Triton layer kernels fail on the first forward elsewhere."""
@@ -403,10 +434,11 @@ class DPPOTrainer(HookedGRPOTrainer):
     def _logit_transform(self) -> LogitTransform:
         return logit_transform(self.accelerator.unwrap_model(self.model), self.args.temperature)
 
-    def _check_vllm_server(self) -> None:
-        """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them."""
+    def _check_vllm_server(self) -> dict | None:
+        """Server mode: μ must be the processed (post-temperature) log-probs, and the server must allow K of them.
+        Returns the server's model config on the process that talks to it (`None` elsewhere)."""
         if self.args.vllm_mode != "server" or not self.accelerator.is_main_process:
-            return
+            return None
         model_config = self.vllm_generation.vllm_client.get_server_info()["model_config"]
         if model_config.get("logprobs_mode") != "processed_logprobs":
             raise ValueError(
@@ -428,6 +460,7 @@ class DPPOTrainer(HookedGRPOTrainer):
                 f"than the vLLM server's `--max-logprobs {max_logprobs}`. Restart the server with `--max-logprobs {n}` "
                 f"(or -1), or set kept_set_logprobs ≤ {max_logprobs}."
             )
+        return model_config
 
 
 def _validate_trainer_inputs(config: DPPOConfig, params: dict) -> None:

@@ -256,3 +256,113 @@ def test_truncated_sampling_with_tools_pi_kept_matches_mu(tmp_path, master_port,
         assert ratio == [0.0]
         assert logged(trainer, "dppo/divergence_max")[0] < 1e-4  # top-K TV over the kept lists: rounding only
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+
+
+class CalculatorEnv:
+    """A TRL environment for the tiny agent: `reset` per row, its `multiply` method is the tool."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiply a by b.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.calls += 1
+        return a * b
+
+
+CONTEXT = 150  # the engine's max_model_len: a first turn (~44-token prompt) has room for 106 of the 120 tokens asked
+
+
+@pytest.mark.parametrize(("divergence", "agent"), [("binary_tv", "tools"), ("topk_tv", "environment_factory")])
+def test_turns_that_outgrow_the_engines_context_are_cut_to_fit(tmp_path, master_port, divergence, agent):
+    """Colocated engine with `max_model_len` 150 and `max_completion_length` 120: every first turn asks for more than
+    the room left, so its `max_tokens` is cut to the room (`completions/context_clamped_turns`), and a post-tool turn
+    (prompt ~134 tokens) has room for a few tokens only, so its reply is cut there. TRL itself drops a tool result that
+    would leave no room, so no turn ends for lack of room here. μ and its lists at every model token are the
+    sampler's, and training goes on."""
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=120,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=CONTEXT,
+        divergence=divergence,
+        divergence_top_k=K,
+    )
+    tool_kwargs = {"tools": [flaky_multiply]} if agent == "tools" else {"environment_factory": CalculatorEnv}
+    trainer = DPPOTrainer(
+        model=AGENT,
+        reward_funcs=agent_reward,
+        args=DPPOConfig(**values),
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(AGENT),
+        **tool_kwargs,
+    )
+    original = trainer._generate_and_score_completions
+    first = []
+
+    def generate_and_score(inputs):
+        output = original(inputs)
+        if not first:  # before the first update: the engine's weights are the trainer's
+            with torch.no_grad():
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+                width = output["completion_ids"].size(1)
+                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
+            first.append((output, torch.log_softmax(logits, -1)))
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+    trainer.train()
+
+    clamped = logged(trainer, "completions/context_clamped_turns")
+    assert len(clamped) == 2 and min(clamped) >= 8  # every first turn of each batch of 8
+    assert logged(trainer, "completions/context_ended_turns") == [0.0, 0.0]
+    assert len(logged(trainer, "loss")) == 2
+    assert sum(logged(trainer, "tools/call_frequency")) > 0
+
+    output, logp = first[0]
+    model_tokens = (output["completion_mask"] * output["tool_mask"]).bool()
+    tool_tokens = output["completion_mask"].bool() & (output["tool_mask"] == 0)
+    assert tool_tokens.any(), "no tool result was spliced"
+    prompt_lengths, lengths = output["prompt_mask"].sum(1), output["completion_mask"].sum(1)
+    assert int((prompt_lengths + lengths).max()) <= CONTEXT
+    # A post-tool reply cut by the room left: the row fills the context and does not end on EOS.
+    cut = [
+        b
+        for b in range(len(lengths))
+        if tool_tokens[b].any()
+        and int(prompt_lengths[b] + lengths[b]) == CONTEXT
+        and int(output["completion_ids"][b, int(lengths[b]) - 1]) not in trainer.eos_token_ids
+    ]
+    assert cut, "no post-tool reply was cut by the engine's context"
+    pi = logp.gather(-1, output["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(output[BEHAVIOR_LOGPS][model_tokens], pi[model_tokens], atol=ATOL, rtol=0)
+    if divergence == "topk_tv":
+        ids, lps = output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS]
+        assert (ids[tool_tokens] == -1).all() and torch.isinf(lps[tool_tokens]).all()
+        listed = ids[model_tokens]
+        assert (listed[:, 0] == output["completion_ids"][model_tokens]).all()
+        present = listed >= 0
+        want = logp[model_tokens].gather(-1, listed.clamp(min=0))
+        torch.testing.assert_close(lps[model_tokens][present], want[present], atol=ATOL, rtol=0)
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if key.startswith("dppo/"):
+                assert math.isfinite(value), key

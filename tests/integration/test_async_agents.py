@@ -23,7 +23,8 @@ from datasets import Dataset
 from test_async_dppo import SERVER_START_TIMEOUT, _config
 from train_dapo_math_async import stop_server
 
-from dppo_dev.tiny_agent import agent_reward, multiply
+from dppo_dev import tiny_agent
+from dppo_dev.tiny_agent import agent_reward
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -158,7 +159,7 @@ def test_async_tool_calls_mu_is_the_engines_at_every_trained_token(tmp_path, age
         tmp_path,
         agent_server,
         reward_funcs=agent_reward,
-        tools=[multiply],
+        tools=[tiny_agent.multiply],
         config={"divergence": divergence, "learning_rate": 0.0},
     )
     tokenizer = trainer.processing_class
@@ -245,7 +246,7 @@ def test_async_truncated_sampling_with_tools(tmp_path, agent_server):
         agent_server,
         loss_calls=calls,
         reward_funcs=agent_reward,
-        tools=[multiply],
+        tools=[tiny_agent.multiply],
         config={"top_p": 0.8, "learning_rate": 0.0, "delta_low": 0.01, "delta_high": 0.01},
     )
     n = trainer.args.kept_set_size
@@ -277,3 +278,87 @@ def test_async_truncated_sampling_with_tools(tmp_path, agent_server):
     assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
     assert len(logs) == 2 and all(entry["dppo/mask_ratio"] == 0.0 for entry in logs)
     assert all(0.0 <= entry["dppo/kept_set_overflow_ratio"] <= 1.0 for entry in logs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A conversation that outgrows the server's context (512 tokens): turns are fitted to the room left, and a turn with
+# no room ends the rollout (dppo_trl/trainers/trl116/async_context.py).
+# ---------------------------------------------------------------------------------------------------------------------
+_TOOL_CALLS = [0]  # in the worker's process
+
+
+def _maybe_verbose(product: int) -> int | str:
+    """Every other call in the worker's process answers with a long report (~470 tokens): the conversation re-rendered
+    after it no longer fits the server's context."""
+    _TOOL_CALLS[0] += 1
+    return f"{product} " + "(checked twice, carry digits noted) " * 13 if _TOOL_CALLS[0] % 2 == 0 else product
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiply a by b.
+
+    Args:
+        a: first factor
+        b: second factor
+    """
+    return _maybe_verbose(a * b)  # annotated `int` like the agent's tool: its schema is one token of the tokenizer
+
+
+class VerboseMultiplyEnv(MultiplyEnv):
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiply a by b.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.calls += 1
+        return _maybe_verbose(a * b)
+
+
+@pytest.mark.parametrize(("divergence", "agent"), [("binary_tv", "tools"), ("topk_tv", "environment_factory")])
+def test_async_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(
+    tmp_path, agent_server, divergence, agent
+):
+    """`max_completion_length` 480 against a server context of 512: every turn asks for more than the room left and
+    is cut to it (`completions/context_clamped_turns_total`); a turn after a long tool result has no room and the
+    rollout ends there (`completions/context_ended_turns_total`), instead of a 400 the worker retries until it dies.
+    With `learning_rate=0`, μ (and μ's top-K) at every trained token of every sample, those of ended rollouts
+    included, is the server's own log-prob; training runs its two steps."""
+    tool_kwargs = {"tools": [multiply]} if agent == "tools" else {"environment_factory": VerboseMultiplyEnv}
+    if agent == "tools":
+        tool_kwargs["reward_funcs"] = agent_reward
+    trainer, samples = _train(
+        tmp_path,
+        agent_server,
+        config={"divergence": divergence, "learning_rate": 0.0, "max_completion_length": 480},
+        **tool_kwargs,
+    )
+    history = trainer.state.log_history
+    logs = [entry for entry in history if "dppo/mask_ratio" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
+    assert sum(entry.get("completions/context_clamped_turns_total", 0) for entry in history) > 0
+    assert sum(entry.get("completions/context_ended_turns_total", 0) for entry in history) > 0
+    ended = [s for s in samples if s.completion and s.completion[-1]["role"] == "tool"]
+    assert ended, "no trained sample came from a rollout that ended for lack of room"
+    k = K if divergence == "topk_tv" else 0
+    others = [s for s in samples if not (s.completion and s.completion[-1]["role"] == "tool")]
+    for sample in ended[:3] + others[:3]:
+        ids = sample.input_ids.tolist()
+        assert len(ids) <= 512
+        mask = sample.completion_mask.astype(bool)
+        assert mask.any()
+        scored = ids[:511]  # the server scores at most max_model_len - 1 prompt tokens
+        scores = _engine_scores(agent_server, scored, k)
+        trained = [p for p in range(len(scored)) if mask[p]]
+        for p in trained:
+            engine = scores[p][ids[p]]
+            assert abs(float(sample.old_log_probs[p]) - engine) < ENGINE_MATCH, (p, sample.old_log_probs[p], engine)
+        if divergence == "topk_tv":
+            assert len(sample.topk_ids) == int(mask.sum())
+            for row, p in enumerate(trained):
+                assert sample.topk_ids[row][0] == ids[p]
+                listed = {int(i): float(lp) for i, lp in zip(sample.topk_ids[row], sample.topk_logps[row]) if i >= 0}
+                assert set(listed) == set(scores[p])

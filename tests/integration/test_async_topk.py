@@ -267,10 +267,9 @@ def test_topk_batch_without_lists_is_refused(tmp_path):
 
 def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
     """Without a `rollout_worker`, a top-K trainer runs TRL's worker (same arguments) with `TopKRolloutLoop`; a binary
-    trainer keeps TRL's worker unchanged."""
-    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
-
+    trainer runs it with `ContextFitRolloutLoop` (the base of both: turns fitted to the server's context)."""
     from dppo_trl import AsyncDPPOTrainer
+    from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker
     from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
 
     def build(path, divergence):
@@ -283,7 +282,11 @@ def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
         )
 
     binary, topk = build(tmp_path / "b", "binary_tv"), build(tmp_path / "t", "topk_tv")
-    assert type(binary.rollout_worker) is AsyncRolloutWorker
+    assert type(binary.rollout_worker) is ContextFitRolloutWorker
+    assert binary.rollout_worker._loop_cls is ContextFitRolloutLoop and issubclass(
+        TopKRolloutLoop, ContextFitRolloutLoop
+    )
+    assert binary.rollout_queue is binary.rollout_worker.rollout_buffer
     assert type(topk.rollout_worker) is TopKRolloutWorker and topk.rollout_worker._loop_cls is TopKRolloutLoop
     assert topk.rollout_queue is topk.rollout_worker.rollout_buffer
     kwargs = dict(topk.rollout_worker._loop_kwargs)

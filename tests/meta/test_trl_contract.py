@@ -127,6 +127,15 @@ def test_tool_loop_contract_for_topk_placement():
         assert fragment in loop, f"GRPOTrainer._tool_call_loop changed: missing {fragment!r}"
 
 
+def test_context_fit_contract():
+    source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
+    for fragment in trl_contract.VLLM_GENERATE_CONTEXT_FRAGMENTS:
+        assert fragment in source, f"VLLMGeneration.generate changed: missing {fragment!r}"
+    loop = inspect.getsource(GRPOTrainer._tool_call_loop)
+    for fragment in trl_contract.TOOL_LOOP_CONTEXT_FRAGMENTS:
+        assert fragment in loop, f"GRPOTrainer._tool_call_loop changed: missing {fragment!r}"
+
+
 def test_generation_batch_keys_are_produced():
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     for key in trl_contract.GENERATION_OUTPUT_KEYS + trl_contract.GENERATION_OPTIONAL_KEYS:
@@ -449,3 +458,22 @@ def test_async_topk_worker_internals():
         assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
     for fragment in trl_contract.ASYNC_TRAINER_SAMPLING_FRAGMENTS:
         assert fragment in trainer_init, fragment
+
+
+def test_async_context_fit_internals():
+    """The rollout-worker internals `dppo_trl.trainers.trl116.async_context` overrides and reads (context fit in async)."""
+    import importlib
+
+    from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop
+
+    worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
+    loop = worker._AsyncRolloutLoop
+    for name, params in trl_contract.ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS.items():
+        assert tuple(inspect.signature(getattr(loop, name)).parameters) == params, name
+        assert name in ContextFitRolloutLoop.__dict__, f"ContextFitRolloutLoop no longer overrides {name}"
+    source = inspect.getsource(worker)
+    for fragment in trl_contract.ASYNC_CONTEXT_WORKER_FRAGMENTS:
+        assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
+    params = tuple(inspect.signature(loop._push_rollout_metrics).parameters)
+    assert params == trl_contract.ASYNC_PUSH_ROLLOUT_METRICS_PARAMS
+    assert trl_contract.ASYNC_COUNTER_METRIC_FRAGMENT in inspect.getsource(_async_module())

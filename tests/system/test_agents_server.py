@@ -1,7 +1,7 @@
 """DPPOTrainer with `environment_factory=` against a real vLLM server (`python -m dppo_trl.backends.cpu.vllm_server`),
 binary and top-K.
 
-The environment's tool raises for some arguments (an environment that fails, which TRL reports to the model as an
+The environment's tool raises on every other call (an environment that fails, which TRL reports to the model as an
 error). Before any weight update, μ — and μ's top-K lists — at every model token must be the log-probs of the weights
 that sampled; the server and the trainer hold the same weights then, so the trainer's own fp32 forward re-scores them.
 Tool-result tokens carry no list and are out of the loss mask.
@@ -37,10 +37,18 @@ START_TIMEOUT = 900  # seconds; ~1 min alone, several on a loaded shared machine
 
 
 class CalculatorEnv:
-    """A TRL environment: `reset` per row, one tool (same schema as the agent's), which fails for some inputs."""
+    """A TRL environment: `reset` per row, one tool (same schema as the agent's), which fails intermittently: every
+    other call made in this process, whatever the arguments (the server's sampling is not seeded, so which problems
+    get a call varies from run to run; a failure tied to the arguments could then never happen)."""
+
+    calls_in_process = 0
 
     def reset(self, **row) -> None:
         self.calls = 0
+
+    def _intermittent(self) -> bool:
+        CalculatorEnv.calls_in_process += 1
+        return CalculatorEnv.calls_in_process % 2 == 0
 
     def multiply(self, a: int, b: int) -> int:
         """
@@ -51,7 +59,7 @@ class CalculatorEnv:
             b: second factor
         """
         self.calls += 1
-        if (a + b) % 2 == 0:
+        if self._intermittent():
             raise RuntimeError("environment failure")
         return a * b
 
@@ -240,3 +248,130 @@ def test_truncated_sampling_with_environment_on_server(tmp_path, server_port):
     assert full > 100 * kept and full > 1e-3
     assert logged(trainer, "dppo/mask_ratio") == [0.0]
     assert logged(trainer, "dppo/kept_set_overflow_ratio") == [0.0]
+
+
+class VerboseCalculatorEnv(CalculatorEnv):
+    """`CalculatorEnv` whose tool answers every other call with a long report: after it, the conversation no longer fits the
+    server's context (256), while the completion stays within `max_completion_length` (TRL keeps the result)."""
+
+    # Annotated `int` like the agent's tool: the tokenizer holds the system prompt of exactly that schema as one token.
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiply a by b.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.calls += 1
+        if self._intermittent():
+            return f"{a * b} " + "(checked twice, carry digits noted) " * 7
+        return str(a * b)
+
+
+def verbose_multiply(a: int, b: int) -> int:
+    """
+    Multiply a by b.
+
+    Args:
+        a: first factor
+        b: second factor
+    """
+    env = VerboseCalculatorEnv()
+    env.reset()
+    return env.multiply(a, b)  # shares the process-wide call count: every other call answers at length
+
+
+verbose_multiply.__name__ = "multiply"  # same schema as the tool the agent was trained with
+
+
+@pytest.mark.parametrize(("divergence", "agent"), [("binary_tv", "tools"), ("topk_tv", "environment_factory")])
+def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp_path, server_port, divergence, agent):
+    """Server context 256, `max_completion_length` 400: every first turn asks for more than the room left (its
+    `max_tokens` is cut to the room: clamped turns), and a turn after a long tool result has no room at all (the
+    rollout ends there, on the tool result, as truncated: ended turns). No request fails, μ and its lists at every
+    model token are the sampler's, the ended rows end on tool-result tokens (out of the mask), training goes on."""
+    args = DPPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=400,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=server_port,
+        vllm_server_timeout=60,
+        divergence=divergence,
+        divergence_top_k=K,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(AGENT)
+    trainer = DPPOTrainer(
+        model=AGENT,
+        reward_funcs=agent_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        **({"tools": [verbose_multiply]} if agent == "tools" else {"environment_factory": VerboseCalculatorEnv}),
+    )
+    original = trainer._generate_and_score_completions
+    first = []
+
+    def generate_and_score(inputs):
+        output = original(inputs)
+        if not first:  # before the first update: the server's weights are the trainer's
+            with torch.no_grad():
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+                width = output["completion_ids"].size(1)
+                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
+            first.append((output, torch.log_softmax(logits, -1)))
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+    trainer.train()
+
+    clamped = logged(trainer, "completions/context_clamped_turns")
+    ended = logged(trainer, "completions/context_ended_turns")
+    assert len(clamped) == len(ended) == 2
+    assert min(clamped) >= args.per_device_train_batch_size  # every first turn asked for more than the room
+    assert sum(ended) > 0, "no turn outgrew the server's context"
+    assert len(logged(trainer, "loss")) == 2
+
+    output, logp = first[0]
+    model_tokens = (output["completion_mask"] * output["tool_mask"]).bool()
+    tool_tokens = output["completion_mask"].bool() & (output["tool_mask"] == 0)
+    prompt_lengths = output["prompt_mask"].sum(1)
+    lengths = output["completion_mask"].sum(1)
+    ended_rows = 0
+    for b in range(len(lengths)):
+        n = int(lengths[b])
+        # The room is the server's: no row the server sampled holds more than its context.
+        last_model = int(model_tokens[b, :n].nonzero().max()) + 1 if model_tokens[b, :n].any() else 0
+        assert int(prompt_lengths[b]) + last_model <= 256
+        if n and tool_tokens[b, n - 1]:  # ends on the tool result: its next turn had no room
+            ended_rows += 1
+            assert int(prompt_lengths[b]) + n >= 256
+            assert int(output["completion_ids"][b, n - 1]) not in trainer.eos_token_ids  # truncated
+    assert ended_rows > 0
+    pi = logp.gather(-1, output["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(output[BEHAVIOR_LOGPS][model_tokens], pi[model_tokens], atol=ATOL, rtol=0)
+    if divergence == "topk_tv":
+        ids, lps = output[BEHAVIOR_TOPK_IDS], output[BEHAVIOR_TOPK_LOGPS]
+        assert (ids[tool_tokens] == -1).all() and torch.isinf(lps[tool_tokens]).all()
+        listed = ids[model_tokens]
+        assert (listed[:, 0] == output["completion_ids"][model_tokens]).all()
+        present = listed >= 0
+        want = logp[model_tokens].gather(-1, listed.clamp(min=0))
+        torch.testing.assert_close(lps[model_tokens][present], want[present], atol=ATOL, rtol=0)
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if key.startswith("dppo/"):
+                assert math.isfinite(value), key

@@ -11,6 +11,7 @@ deleted and the hook becomes TRL's:
 | `_per_token_policy_loss(inputs, forward)`: the per-token policy loss, TRL's forward, normalisation and accounting around it | TRL's `compute_loss` runs on the batch with zeroed advantages (value 0, gradient 0 for its PPO term) through `KeepForwardOutputs`, which keeps its one forward's outputs; the hook's terms are scaled as TRL scales its own (tokens per process, then gradient accumulation: restated); TRL's clip rates, always 0 then, are dropped (`PARENT_CLIP_METRICS`) | async-2 |
 | `_policy_version()`: the version of the weights being trained, on every rank | broadcast from the main process once per optimizer step (TRL bumps `model_version` on the main process only, between steps) | async-3 |
 | `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `dppo_trl.trainers.async_topk`) | async-5 |
+| each turn fitted to the server's context (a turn with no room ends its conversation) | `ContextFitRolloutLoop` (`dppo_trl.trainers.trl116.async_context`), a subclass of TRL's private rollout loop and the base of `TopKRolloutLoop`, run by the same worker swap | async-7 |
 | `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
 
 | the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.kernels.tree_attention.registered_tree_attention`) | async-6 |
@@ -45,7 +46,6 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     AsyncRolloutWorker,
     RolloutSample,
     TurnRecord,
-    _AsyncRolloutLoop,
 )
 
 from dppo_trl.kernels.engine_view import backbone, last_hidden_state
@@ -60,6 +60,7 @@ from dppo_trl.trainers.async_topk import (
     rows_topk,
 )
 from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
+from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker, _current_task
 
 # Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
 # `segment_id` numbers a row's samples, −1 padded.
@@ -203,17 +204,10 @@ class KeepForwardOutputs:
 # ----------------------------------------------------------------------------------------------------------------
 # async-5: the rollout loop that asks the server for μ's lists (a subclass of TRL's private loop)
 # ----------------------------------------------------------------------------------------------------------------
-def _current_task() -> asyncio.Task:
-    task = asyncio.current_task()
-    if task is None:
-        raise RuntimeError("TopKRolloutLoop must run inside the worker's asyncio tasks.")
-    return task
-
-
-class TopKRolloutLoop(_AsyncRolloutLoop):
+class TopKRolloutLoop(ContextFitRolloutLoop):
     """TRL's rollout loop (runs in the worker's child process) that also asks the server for μ's top-K and hands it
-    on with each sample (`TopKRolloutSample`). Everything else — tools, environments, re-rendering, rewards,
-    advantages — is TRL's."""
+    on with each sample (`TopKRolloutSample`). Turns are fitted to the server's context as in
+    `ContextFitRolloutLoop`; everything else — tools, environments, re-rendering, rewards, advantages — is TRL's."""
 
     def __init__(self, *, logprobs_top_k: int, **kwargs: Any):
         super().__init__(**kwargs)
@@ -288,10 +282,14 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         logprobs = self._rollout_logprobs()
-        if logprobs is not None and type(self.rollout_worker) is AsyncRolloutWorker:
-            # async-5: TRL built its own worker (none was passed) and starts it on train begin: run the same worker
-            # with the loop that also asks for μ's lists. A worker passed in must push `TopKRolloutSample`s itself.
-            self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, logprobs)
+        if type(self.rollout_worker) is AsyncRolloutWorker:
+            # async-5 and async-7: TRL built its own worker (none was passed) and starts it on train begin: run the
+            # same worker with the loop that fits each turn to the server's context (`async_context`) and, when the
+            # loss reads μ's lists, also asks for them. A worker passed in must do both itself.
+            if logprobs is not None:
+                self.rollout_worker = TopKRolloutWorker.like(self.rollout_worker, logprobs)
+            else:
+                self.rollout_worker = ContextFitRolloutWorker.like(self.rollout_worker)
             self.rollout_queue = self.rollout_worker.rollout_buffer
         # async-3: (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
