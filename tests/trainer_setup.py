@@ -86,3 +86,24 @@ def changed_parameters(trainer: DPPOTrainer, before: dict[str, torch.Tensor]) ->
 
 def logged(trainer: DPPOTrainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def record_first_generation(trainer: DPPOTrainer) -> list:
+    """Records the first generation batch with the trainer's own log-softmax at its completion tokens, taken before
+    the first update (the engine's weights are then the trainer's): `[(output, logp)]` once `train()` has run."""
+    original = trainer._generate_and_score_completions
+    first: list = []
+
+    def generate_and_score(inputs):
+        output = original(inputs)
+        if not first:
+            with torch.no_grad():
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+                width = output["completion_ids"].size(1)
+                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
+            first.append((output, torch.log_softmax(logits, -1)))
+        return output
+
+    trainer._generate_and_score_completions = generate_and_score
+    return first

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from trainer_setup import logged
+from trainer_setup import logged, record_first_generation
 from transformers import AutoTokenizer
 from vllm import SamplingParams
 
@@ -314,21 +314,7 @@ def test_turns_that_outgrow_the_engines_context_are_cut_to_fit(tmp_path, master_
         processing_class=AutoTokenizer.from_pretrained(AGENT),
         **tool_kwargs,
     )
-    original = trainer._generate_and_score_completions
-    first = []
-
-    def generate_and_score(inputs):
-        output = original(inputs)
-        if not first:  # before the first update: the engine's weights are the trainer's
-            with torch.no_grad():
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
-                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
-                width = output["completion_ids"].size(1)
-                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
-            first.append((output, torch.log_softmax(logits, -1)))
-        return output
-
-    trainer._generate_and_score_completions = generate_and_score
+    first = record_first_generation(trainer)
     trainer.train()
 
     clamped = logged(trainer, "completions/context_clamped_turns")

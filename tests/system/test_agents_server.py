@@ -20,7 +20,7 @@ import requests
 import torch
 from conftest import get_free_port
 from datasets import Dataset
-from trainer_setup import logged
+from trainer_setup import logged, record_first_generation
 from transformers import AutoTokenizer
 
 from dppo_dev.tiny_agent import agent_reward
@@ -146,21 +146,7 @@ def test_environment_on_server_mu_is_the_samplers(tmp_path, server_port, diverge
         processing_class=AutoTokenizer.from_pretrained(AGENT),
         environment_factory=CalculatorEnv,
     )
-    original = trainer._generate_and_score_completions
-    first = []
-
-    def generate_and_score(inputs):
-        output = original(inputs)
-        if not first:  # before the first update: the server's weights are the trainer's
-            with torch.no_grad():
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
-                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
-                width = output["completion_ids"].size(1)
-                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
-            first.append((output, torch.log_softmax(logits, -1)))
-        return output
-
-    trainer._generate_and_score_completions = generate_and_score
+    first = record_first_generation(trainer)
     trainer.train()
 
     output, logp = first[0]
@@ -321,21 +307,7 @@ def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp
         processing_class=tokenizer,
         **({"tools": [verbose_multiply]} if agent == "tools" else {"environment_factory": VerboseCalculatorEnv}),
     )
-    original = trainer._generate_and_score_completions
-    first = []
-
-    def generate_and_score(inputs):
-        output = original(inputs)
-        if not first:  # before the first update: the server's weights are the trainer's
-            with torch.no_grad():
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
-                attn = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
-                width = output["completion_ids"].size(1)
-                logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, -width - 1 : -1].float()
-            first.append((output, torch.log_softmax(logits, -1)))
-        return output
-
-    trainer._generate_and_score_completions = generate_and_score
+    first = record_first_generation(trainer)
     trainer.train()
 
     clamped = logged(trainer, "completions/context_clamped_turns")
