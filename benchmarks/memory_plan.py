@@ -19,8 +19,9 @@ Phases, per GPU (vLLM colocated on the training GPUs; in server mode the engine 
   lists), and the engine: its whole share (`vllm_gpu_memory_utilization × card`) unless sleep mode frees it;
 - `sync_trl`: TRL 1.16's weight sync. With PEFT under ZeRO-3 it gathers every parameter at once before merging
   (`VLLMGeneration._iter_named_params`); the engine's weights are awake (sleep mode: weights only, no KV cache);
-- `sync_per_layer`: the same sync gathering at most one decoder layer plus the embeddings at a time, merging out of
-  place (`dppo_trl/weights`, issue 37);
+- `sync_per_layer`: the sync of issue 37, which gathers one unit at a time — a decoder layer with its adapters, or
+  one parameter outside the layers (within the issue's bound of a layer plus the embeddings) — and merges out of
+  place; a model without adapters keeps TRL's per-parameter sync;
 - `generation`: what the trainer keeps plus the engine's whole share.
 
 Every term says whether it is `counted` (bytes read off the meta model and the recipe: parameter bytes, adapter sizes,
@@ -204,6 +205,15 @@ def model_summary(model) -> dict:
     layers = base.model.layers
     layer_bytes = [_bytes(p for n, p in layer.named_parameters() if "lora_" not in n) for layer in layers]
     layer_adapters = [sum(p.numel() for n, p in layer.named_parameters() if "lora_" in n) for layer in layers]
+    parts: dict[
+        str, int
+    ] = {}  # the largest layer's base bytes by part: self_attn, mlp (or mlp.experts, mlp.gate), norms
+    largest_layer = layers[layer_bytes.index(max(layer_bytes))]
+    for name, p in largest_layer.named_parameters():
+        if "lora_" not in name:
+            path = [c for c in name.split(".")[:-1] if c != "base_layer"]
+            key = ".".join(path[:2]) if path and path[0] == "mlp" and len(path) > 1 else (path[0] if path else name)
+            parts[key] = parts.get(key, 0) + p.numel() * p.element_size()
     embed = base.get_input_embeddings().weight
     head = base.get_output_embeddings().weight
     tied = head is embed
@@ -225,6 +235,7 @@ def model_summary(model) -> dict:
         "num_layers": len(layers),
         "layer_bytes_max": max(layer_bytes),
         "layer_adapter_params_max": max(layer_adapters),
+        "layer_bytes_by_part": dict(sorted(parts.items())),
         "embeddings_bytes": _bytes(embeddings),
         "outside_layers_largest_bytes": max(_bytes([p]) for p in not_in_layers),
         "tied_embeddings": tied,
@@ -372,9 +383,13 @@ def plan(recipe: Path, gpus: int | None, gpu_memory_gib: float, accelerate_confi
     split = f"/ N (N = {gpus}, {launch['distribution']})" if sharded else f"(replicated: {launch['distribution']})"
     uses_peft = peft_config is not None
     trainable = summary["trainable_params"]
-    # Under DeepSpeed/accelerate bf16 mixed precision the module's trainable parameters are bf16 (DeepSpeed casts the
-    # module, PEFT's fp32 adapters included) with fp32 master copies; DDP keeps them in their loaded dtype.
+    # Under DeepSpeed with bf16 mixed precision the module's trainable parameters and their gradients are bf16
+    # (DeepSpeed casts the module, PEFT's fp32 adapters included) and the optimizer keeps fp32 master copies and fp32
+    # m, v. Otherwise (DDP, FSDP, DeepSpeed without bf16) they stay in the dtype they were built in (PEFT's adapters:
+    # fp32; a bf16 model trained fully: bf16), and AdamW's m, v take that dtype.
     deepspeed_bf16 = launch["distribution"] == "zero3" and launch["mixed_precision"] == "bf16"
+    loaded_bytes = summary["trainable_bytes"] / max(trainable, 1)
+    trained_bytes = 2 if deepspeed_bf16 else loaded_bytes
     fp32_head = bool(getattr(args, "cast_lm_head_to_fp32", False))
     head_extra = summary["lm_head_params"] * 2 if fp32_head else 0  # bf16 -> fp32: 2 more bytes per element
 
@@ -387,22 +402,20 @@ def plan(recipe: Path, gpus: int | None, gpu_memory_gib: float, accelerate_confi
         f"{', LM head fp32: cast_lm_head_to_fp32' if fp32_head else ''}) {split}",
     )
     if uses_peft:
-        adapter_dtype_bytes = 2 if deepspeed_bf16 else summary["trainable_bytes"] / max(trainable, 1)
         resident["adapter"] = counted(
-            trainable * adapter_dtype_bytes / shards,
-            f"trainable adapter params {trainable:,} × {adapter_dtype_bytes:g} B "
+            trainable * trained_bytes / shards,
+            f"trainable adapter params {trainable:,} × {trained_bytes:g} B "
             f"({'bf16 under DeepSpeed bf16' if deepspeed_bf16 else adapter['dtype'] + ', as PEFT builds them'}) {split}",
         )
-    master = 4 if deepspeed_bf16 or launch["distribution"] == "fsdp" else 0
-    state_dtype = 4 if (deepspeed_bf16 or uses_peft or launch["distribution"] == "fsdp") else 2
+    master = 4 if deepspeed_bf16 else 0
+    state_dtype = 4 if deepspeed_bf16 else loaded_bytes
     resident["optimizer_states"] = counted(
         trainable * (2 * state_dtype + master) / shards,
-        f"AdamW m, v ({state_dtype} B each){' + fp32 master weights (4 B)' if master else ''} per trainable param "
+        f"AdamW m, v ({state_dtype:g} B each){' + fp32 master weights (4 B)' if master else ''} per trainable param "
         f"({trainable:,}) {split}",
     )
-    grad_dtype = 2 if deepspeed_bf16 else (4 if state_dtype == 4 else 2)
     resident["gradients"] = counted(
-        trainable * grad_dtype / shards, f"trainable params × {grad_dtype} B (accumulated gradient) {split}"
+        trainable * trained_bytes / shards, f"trainable params × {trained_bytes:g} B (accumulated gradient) {split}"
     )
     resident["runtime"] = estimated(
         RUNTIME_GIB * GIB, f"{RUNTIME_GIB} GiB: CUDA context, cuBLAS workspace, NCCL buffers, allocator slack"
@@ -528,13 +541,12 @@ def plan(recipe: Path, gpus: int | None, gpu_memory_gib: float, accelerate_confi
 
     # --- the weight sync -----------------------------------------------------------------------------------------
     largest = summary["largest_tensor"]["bytes"]
-    adapter_bytes = 2 if deepspeed_bf16 else summary["trainable_bytes"] / max(trainable, 1)
-    layer_with_adapters = summary["layer_bytes_max"] + summary["layer_adapter_params_max"] * adapter_bytes
+    layer_with_adapters = summary["layer_bytes_max"] + summary["layer_adapter_params_max"] * trained_bytes
     sync_trl: dict[str, Term] = {}
     sync_layer: dict[str, Term] = {}
     if args.use_vllm:
         if uses_peft and launch["distribution"] == "zero3":
-            whole_bytes = summary["bytes"] + (trainable * 2 if deepspeed_bf16 else summary["trainable_bytes"])
+            whole_bytes = summary["bytes"] + trainable * trained_bytes
             sync_trl["gathered"] = counted(
                 whole_bytes,
                 "TRL gathers every parameter at once (PEFT under ZeRO-3): base + adapters, unsharded",

@@ -38,6 +38,10 @@ def test_meta_model_has_the_published_size(name):
     assert _rounds_to(summary["params_non_embedding"] / 1e9, non_embedding), summary["params_non_embedding"]
     assert summary["bytes"] == 2 * summary["params"]  # bf16
     assert memory_plan.engine_shard_bytes(model, tp=1) == summary["bytes"]
+    assert sum(summary["layer_bytes_by_part"].values()) == summary["layer_bytes_max"]
+    assert summary["bytes"] == summary["num_layers"] * summary["layer_bytes_max"] + summary["embeddings_bytes"] + (
+        2 * model.config.hidden_size  # the final norm
+    )
     if "A3B" in name:
         # The card's "3.3B activated"; counting both embedding matrices (the model is untied) gives 3.35B.
         assert 3.3e9 <= summary["active_params"] < 3.4e9, summary["active_params"]
