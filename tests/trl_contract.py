@@ -87,12 +87,15 @@ LOSS_AGGREGATION_FRAGMENTS = (
 )
 # `_get_per_token_logps_and_entropies` returns `(logps, entropies, aux_loss)`.
 PER_TOKEN_LOGPS_ARITY = 3
-# It calls the model with the fused LM head, whose backbone output DPPOTrainer hooks for the final hidden states.
+# It calls the model with the fused LM head, whose backbone output DPPOTrainer hooks for the final hidden states. The
+# head computes an MoE model's router aux loss from the router logits the backbone records, not in a model forward
+# that Liger could replace: why `use_liger_kernel` keeps the aux loss (docs/api.md).
 PER_TOKEN_LOGPS_FRAGMENTS = ("fused_lm_head=True", "outputs.log_probs[:, -logits_to_keep:]")
 FUSED_HEAD_FRAGMENTS = (
     'backbone_attr = "base_model"',
     "backbone_outputs.last_hidden_state[:, :-1]",
     "lm_head = self.get_output_embeddings()",
+    "backbone_outputs.router_logits, num_experts, num_experts_per_tok",
 )
 
 # Keys of the generation batch DPPOTrainer reads.
@@ -228,10 +231,13 @@ OLD_LOGPS_RECOMPUTE_FRAGMENTS = (
 OLD_LOGPS_PASS = "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies("
 # `use_liger_kernel`: GRPOTrainer.__init__ raises its own errors (an adapter on lm_head, Liger's fused cross-entropy)
 # and transformers applies the kernels in `Trainer.train`, not in `__init__`; DPPOTrainer refuses a non-CUDA device in
-# between (`DPPOTrainer._check_liger_device`).
+# between (`DPPOTrainer._check_liger_device`). It forces Liger's fused cross-entropy off, so Liger never replaces the
+# model's forward, where an MoE model's router aux loss would otherwise be computed (or dropped): with the router's
+# logits kept, the aux loss survives Liger (docs/api.md; the fused head's side is in FUSED_HEAD_FRAGMENTS).
 LIGER_GRPO_INIT_FRAGMENTS = (
     "Applying a PEFT adapter to `lm_head` is not supported",
     '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported',
+    'args.liger_kernel_config = {**liger_kernel_config, "fused_linear_cross_entropy": False}',
 )
 LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"
 

@@ -17,6 +17,7 @@ from dppo_trl.hardening.checkpoints import save_steps_hint
 def check_trainer_inputs(config, params: dict) -> None:
     """Fail fast on bad trainer inputs (see the module docstring); `params` is read, never changed."""
     check_generation_config(config)
+    check_liger_expert_adapters(config, params.get("peft_config"), params.get("model"))
     check_processing_class(params.get("processing_class"))
     train_dataset = params.get("train_dataset")
     # With an `environment_factory` the `prompt` column is optional in TRL: each rollout's `reset()` supplies it.
@@ -45,6 +46,38 @@ def check_generation_config(config) -> None:
         raise ValueError(
             f"max_completion_length={length}: completions need at least one token. Set max_completion_length to a "
             "positive number of tokens (e.g. 256, or 8192 for DAPO-Math)."
+        )
+
+
+# The fused-expert parameters Liger's `LigerExperts.forward` reads directly (`self.gate_up_proj`, `self.down_proj`).
+LIGER_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def check_liger_expert_adapters(config, peft_config, model) -> None:
+    """`use_liger_kernel` with LoRA on fused MoE experts (PEFT `target_parameters`) would train adapters the forward
+    never uses.
+
+    Liger's SwiGLU kernel (Liger-Kernel 0.8.5, applied by transformers when training starts) replaces the forward of
+    each layer's experts module on the instance with `LigerExperts.forward`, which reads the expert weights directly.
+    With `target_parameters` on those weights that module is PEFT's `ParamWrapper`, whose forward is what adds the
+    adapters: it is replaced, and 0.8.5 then fails at the first training forward ("'ParamWrapper' object has no
+    attribute 'hidden_dim'"). `liger_kernel_config={"swiglu": False}` leaves the experts to PEFT and keeps Liger's
+    other kernels. The router's load-balancing loss is not at stake: Liger leaves the router alone, and TRL's fused
+    LM head computes the loss from the router's logits (docs/api.md)."""
+    if not config.use_liger_kernel or (config.liger_kernel_config or {}).get("swiglu", True) is False:
+        return
+    configs = [peft_config] if peft_config is not None else []
+    model_configs = getattr(model, "peft_config", None)  # a PeftModel passed in: its adapters' configs
+    if isinstance(model_configs, dict):
+        configs += list(model_configs.values())
+    targets = sorted({t for c in configs for t in (getattr(c, "target_parameters", None) or [])})
+    experts = [t for t in targets if t.rsplit(".", 1)[-1] in LIGER_EXPERT_PARAMETERS]
+    if experts:
+        raise ValueError(
+            f"use_liger_kernel=True with LoRA on the MoE experts (target_parameters={experts}): Liger's SwiGLU kernel "
+            "replaces the experts' forward, which is PEFT's adapter wrapper here, so the expert adapters would never "
+            'be used. Set liger_kernel_config={"swiglu": False} to keep Liger\'s other kernels, or '
+            "use_liger_kernel=False. (The router's load-balancing loss is kept either way.)"
         )
 
 

@@ -149,6 +149,12 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.use_liger_kernel:
+            # TRL's AsyncGRPOTrainer raises NotImplementedError for it only after loading the model.
+            raise ValueError(
+                "use_liger_kernel=True: TRL's AsyncGRPOTrainer, which AsyncDPPOTrainer extends, does not support "
+                "Liger kernels. Set use_liger_kernel=False (DPPOTrainer takes it on CUDA)."
+            )
         self._resolve_trust_region()
         check_kept_set(self, self.kept_set_size, colocate=False)
         if self.tree_attention not in TREE_ATTENTION_CHOICES:

@@ -141,4 +141,6 @@ def test_api_table_matches_the_loss_types_the_code_accepts(tmp_path):
 def test_api_table_states_the_liger_and_environment_rules():
     table = _combinations_table()
     assert "refused by `DPPOTrainer(...)` when the trainer's device is not CUDA" in table["`use_liger_kernel=True`"]
+    assert '`liger_kernel_config={"swiglu": False}`' in table["`use_liger_kernel=True`"]
+    assert "with `use_liger_kernel=True` too" in table["MoE router aux loss (`output_router_logits`)"]
     assert "may omit `prompt`" in table["tools / `environment_factory`"]

@@ -80,6 +80,9 @@ DECISIONS = {
     ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_topk_cost.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/tree_attention.py": Covered("tests/system/test_benchmarks.py"),
+    ".venv/bin/python benchmarks/memory_plan.py --recipe examples/recipes/qwen3_30b_a3b_base_lora_dapo_math.yaml": Covered(
+        "tests/system/test_benchmarks.py"
+    ),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")

@@ -213,3 +213,17 @@ def test_tree_attention_runs():
         assert row["fa3"] == {"skipped": report["fa3"]} and "CUDA" in report["fa3"]
         assert set(report["ratios"][spec]) == {"eager_over_sdpa_time", "eager_over_sdpa_memory"}
     assert report["config"]["device"] == "cpu" and report["config"]["dtype"] == "float32"
+
+
+def test_memory_plan_sizes_the_30b_recipe():
+    """Meta device, no weights, seconds: the 30B LoRA recipe's per-GPU budget on its own launch (8 GPUs, ZeRO-3), every
+    phase and term present and labelled; TRL's whole-model sync is what does not fit an 80 GB card. The counts
+    themselves are checked in tests/unit/test_memory_plan.py."""
+    report = _run_script("memory_plan.py", "--recipe", "examples/recipes/qwen3_30b_a3b_base_lora_dapo_math.yaml")
+    assert report["gpus"] == 8 and report["launch"]["distribution"] == "zero3"
+    assert set(report["phases"]) == {"train_step", "sync_trl", "sync_per_layer", "generation"}
+    for phase in report["phases"].values():
+        assert all(t["kind"] in ("counted", "estimated") and t["formula"] for t in phase["terms"].values())
+        assert _is_number(phase["total_gib"]) and isinstance(phase["fits"], bool)
+    assert report["model_summary"]["params"] == 30_532_122_624
+    assert report["fits"]["sync_trl"] is False and report["fits"]["with_per_layer_sync"] is True
