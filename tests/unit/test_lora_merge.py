@@ -163,3 +163,28 @@ def test_unsupported_layers_are_named():
     merged = _peft("tied_embedding", torch.float64)
     merged.merge_adapter()
     assert lora_targets(merged) == {}
+
+
+def test_a_model_the_walk_cannot_merge_keeps_trls_sync_with_a_warning(caplog):
+    """DoRA (a LoRA variant) or FSDP1: the sync trainer's room leaves TRL's walk in place and says why."""
+    from types import SimpleNamespace
+
+    from dppo_trl.trainers.trl116.grpo import merge_lora_out_of_place
+
+    dora = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    plain = _peft("tied_embedding", torch.float32)
+    for model, fsdp_version, reason in ((dora, None, "DoraLinearVariant"), (plain, 1, "FSDP1")):
+        generation = SimpleNamespace()
+        trainer = SimpleNamespace(
+            model=model,
+            args=SimpleNamespace(use_vllm=True),
+            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))),
+            vllm_generation=generation,
+        )
+        with caplog.at_level("WARNING"):
+            assert not merge_lora_out_of_place(trainer)
+        assert vars(generation) == {} and reason in caplog.text and "in-place merge" in caplog.text
+        caplog.clear()
+    trainer.model = plain
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None), device=torch.device("cpu"))
+    assert merge_lora_out_of_place(trainer) and callable(generation._iter_named_params)
