@@ -414,6 +414,34 @@ def test_merged_stream_sends_what_trls_syncs_send(kind):
     assert ours == [(name, param.dtype, tuple(param.shape)) for name, param in manifest(model)]
 
 
+def test_a_model_the_walk_cannot_merge_keeps_trls_sync_with_a_warning(caplog):
+    """DoRA (a LoRA variant) or FSDP1: the sync trainer's room leaves TRL's walk in place and says why."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from dppo_dev.tiny_models import build_tiny_model
+    from dppo_trl.trainers.trl116.grpo import merge_lora_out_of_place
+
+    dora = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    plain = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"]))
+    for model, fsdp_version, reason in ((dora, None, "DoraLinearVariant"), (plain, 1, "FSDP1")):
+        generation = SimpleNamespace()
+        trainer = SimpleNamespace(
+            model=model,
+            args=SimpleNamespace(use_vllm=True),
+            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))),
+            vllm_generation=generation,
+        )
+        with caplog.at_level("WARNING"):
+            assert not merge_lora_out_of_place(trainer)
+        assert vars(generation) == {} and reason in caplog.text and "in-place merge" in caplog.text
+        caplog.clear()
+    trainer.model = plain
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None), device=torch.device("cpu"))
+    assert merge_lora_out_of_place(trainer) and callable(generation._iter_named_params)
+
+
 def test_every_vllm_sync_reads_the_walk_the_room_replaces():
     sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
     assert trl_contract.VLLM_COLOCATE_SYNC_FRAGMENT in sync_source, "VLLMGeneration.sync_weights changed"

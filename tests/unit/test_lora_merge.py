@@ -165,26 +165,20 @@ def test_unsupported_layers_are_named():
     assert lora_targets(merged) == {}
 
 
-def test_a_model_the_walk_cannot_merge_keeps_trls_sync_with_a_warning(caplog):
-    """DoRA (a LoRA variant) or FSDP1: the sync trainer's room leaves TRL's walk in place and says why."""
-    from types import SimpleNamespace
+def test_names_are_cleaned_as_trl_cleans_them():
+    """TRL 1.16's cleanup, wrapper prefixes included (`_checkpoint_wrapped_module.` from activation checkpointing);
+    the walks themselves are compared with TRL's in tests/meta/test_trl_contract.py."""
+    from dppo_trl.weights.stream import vllm_weight_name
 
-    from dppo_trl.trainers.trl116.grpo import merge_lora_out_of_place
-
-    dora = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    plain = _peft("tied_embedding", torch.float32)
-    for model, fsdp_version, reason in ((dora, None, "DoraLinearVariant"), (plain, 1, "FSDP1")):
-        generation = SimpleNamespace()
-        trainer = SimpleNamespace(
-            model=model,
-            args=SimpleNamespace(use_vllm=True),
-            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))),
-            vllm_generation=generation,
-        )
-        with caplog.at_level("WARNING"):
-            assert not merge_lora_out_of_place(trainer)
-        assert vars(generation) == {} and reason in caplog.text and "in-place merge" in caplog.text
-        caplog.clear()
-    trainer.model = plain
-    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None), device=torch.device("cpu"))
-    assert merge_lora_out_of_place(trainer) and callable(generation._iter_named_params)
+    prefix = "base_model.model.model.layers.0."
+    assert vllm_weight_name(prefix + "_checkpoint_wrapped_module.self_attn.q_proj.base_layer.weight", "lora_") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert vllm_weight_name(prefix + "mlp.experts.base_layer.base_layer.gate_up_proj", "lora_") == (
+        "model.layers.0.mlp.experts.gate_up_proj"
+    )
+    assert (
+        vllm_weight_name("base_model.model.model.norm.modules_to_save.default.weight", "lora_") == "model.norm.weight"
+    )
+    assert vllm_weight_name("base_model.model.model.norm.original_module.weight", "lora_") is None
+    assert vllm_weight_name(prefix + "self_attn.q_proj.lora_A.default.weight", "lora_") is None
