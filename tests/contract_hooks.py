@@ -20,6 +20,7 @@ HOOKS = {
     "grpo-4": "4. An aggregation helper for extra per-token terms",
     "grpo-5": "5. Per-turn engine extras in the tool loop",
     "grpo-6": "6. Context length in the tool loop",
+    "grpo-7": "7. LoRA weights merged out of place, one layer at a time",
     "cpu-1": "1. The colocated engine's arguments (`trl.generation.vllm_generation.LLM`)",
     "cpu-2": "2. The server client class (`trl.generation.vllm_generation.VLLMClient`)",
     "async-1": "1. Keep `model_version` in the sample dict and the batch",
@@ -29,6 +30,7 @@ HOOKS = {
     "async-5": "5. A `logprobs` option in the rollout worker, carried to the batch",
     "async-6": "6. A tree-attention choice, checked before the model is built",
     "async-7": "7. Context length in the rollout worker",
+    "async-8": "8. The same out-of-place merge in `_sync_weight_merged`",
 }
 
 REMOVED_BY: dict[str, str | dict[str, str]] = {
@@ -85,7 +87,8 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
         "self.vllm_client = VLLMClient(": "cpu-2",
         "self.vllm_client.init_communicator(device=accelerator.device)": KEPT,  # the subclass still overrides it
     },
-    "VLLM_SERVER_SYNC_FRAGMENTS": KEPT,  # the subclass still receives TRL's parameter stream
+    "VLLM_SERVER_SYNC_FRAGMENTS": KEPT,
+    "VLLM_COLOCATE_SYNC_FRAGMENT": "grpo-7",  # the subclass still receives TRL's parameter stream
     "VLLM_CLIENT_METHODS": KEPT,  # a `client_cls` argument keeps the subclass and its overrides
     "VLLM_CLIENT_INIT_FRAGMENTS": KEPT,
     "VLLM_SERVER_MODULE": KEPT,
@@ -102,7 +105,10 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
         "get_train_dataloader": "async-1",
         "compute_loss": "async-2",
         "training_step": "async-6",
+        "_sync_weight_merged": "async-8",
     },
+    "ASYNC_SYNC_MERGED_EDITS": "async-8",
+    "ASYNC_WEIGHT_MANIFEST": "async-8",
     "ASYNC_DATALOADER_REPLACEMENTS": "async-1",
     "ASYNC_COMPUTE_LOSS_FRAGMENTS": "async-2",
     "ROLLOUT_SAMPLE_FIELDS": "async-1",

@@ -107,3 +107,39 @@ def record_first_generation(trainer: DPPOTrainer) -> list:
 
     trainer._generate_and_score_completions = generate_and_score
     return first
+
+
+def frozen_base_changes(model, checkpoint: str) -> tuple[list[str], int]:
+    """A PEFT model's frozen tensors (everything but its adapters, `modules_to_save` copies included) against the
+    checkpoint loaded in the same dtype: `(names of those that differ, number compared)`. Names as vLLM knows them."""
+    from transformers import AutoModelForCausalLM
+
+    from dppo_trl.weights.stream import vllm_weight_name
+
+    frozen = {}
+    for raw, param in model.named_parameters():
+        name = vllm_weight_name(raw, model.prefix)
+        if name is not None and not param.requires_grad:
+            frozen[name] = param.detach()
+    dtype = next(iter(frozen.values())).dtype
+    reference = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).named_parameters())
+    assert frozen.keys() <= reference.keys(), sorted(frozen.keys() - reference.keys())
+    changed = [name for name, tensor in frozen.items() if not torch.equal(tensor.cpu(), reference[name].detach())]
+    return changed, len(frozen)
+
+
+def merged_reference(model, checkpoint: str) -> torch.nn.Module:
+    """A PEFT model's merged weights as an fp32 engine holds them after a sync: PEFT's merge in float64, rounded once
+    to the weights' dtype, loaded into the checkpoint's model computing in float32 (SDPA attention; buffers such as
+    RoPE's frequencies are the checkpoint's own)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    dtype = model.get_base_model().dtype
+    merged = copy.deepcopy(model).to(torch.float64).merge_and_unload()
+    weights = {name: param.detach().to(dtype).float() for name, param in merged.named_parameters()}
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="sdpa")
+    missing, unexpected = reference.load_state_dict(weights, strict=False)
+    assert not unexpected and all(name == "lm_head.weight" for name in missing), (missing, unexpected)
+    return reference.eval()

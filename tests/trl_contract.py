@@ -201,6 +201,12 @@ VLLM_SERVER_SYNC_FRAGMENTS = (
     "for _ in self._iter_named_params():",
     "self.vllm_client.reset_prefix_cache()",
 )
+# LoRA weights merged out of place (`dppo_trl/trainers/trl116/grpo.py`, `merge_lora_out_of_place`): every sync reads
+# `VLLMGeneration._iter_named_params()` (colocate here; server and its manifest in VLLM_SERVER_SYNC_FRAGMENTS; the CPU
+# syncs call it themselves), which the room replaces on the trainer's instance with `dppo_trl.weights.stream`'s walk.
+# Its names, dtypes and shapes are compared with TRL's own walk by tests/meta/test_trl_contract.py. → an out-of-place,
+# layer-by-layer merge in TRL's walk (docs/upstream.md, "GRPOTrainer" item 7).
+VLLM_COLOCATE_SYNC_FRAGMENT = "for name, param in self._iter_named_params():"
 # `VLLMClient` methods the subclass overrides or calls, with their leading parameters. `check_server` is the first call
 # `__init__` makes after creating `self.session`, which every later request goes through (the API key is set there).
 VLLM_CLIENT_METHODS: dict[str, tuple[str, ...]] = {
@@ -274,7 +280,21 @@ ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # The chosen tree attention stays registered through the backward, which reruns the forward under gradient
     # checkpointing (dppo_trl/kernels/tree_attention.py). → a tree-attention choice in TRL's config.
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
+    # A LoRA model's merged-weight sync, restated without its in-place merge (`ASYNC_SYNC_MERGED_EDITS`). → the
+    # out-of-place walk in TRL's `_sync_weight_merged` (docs/upstream.md, "AsyncGRPOTrainer" item 8).
+    "_sync_weight_merged": ("self", "t0"),
 }
+# `HookedAsyncGRPOTrainer._sync_weight_merged_out_of_place` is TRL's `_sync_weight_merged` (same tokens, comments aside)
+# with exactly these edits (ours, TRL's): the in-place `merge_adapter()` before the stream and `unmerge_adapter()` in
+# its `finally` are gone, and the stream is `dppo_trl.weights.stream`'s walk (twice: rank 0 sends, the others iterate).
+ASYNC_SYNC_MERGED_EDITS = (
+    ("", "if is_peft_model(model): model.merge_adapter() try:"),
+    ("", "finally: if is_peft_model(model): model.unmerge_adapter()"),
+    ("self._merged_weights(model)", "self._streaming_iter()"),
+)
+# The walk behind the manifest TRL's NCCL client sizes the server's buffers from (names, dtypes, shapes, in order),
+# which the out-of-place stream must match element for element (compared in tests/meta/test_trl_contract.py).
+ASYNC_WEIGHT_MANIFEST = "_iter_vllm_named_params"
 # `AsyncDPPOTrainer.get_train_dataloader` is TRL's method (same tokens, comments aside) with exactly these
 # replacements (ours, TRL's): the collator is built inline, so restating the method is the narrowest seam; a TRL change
 # to the method fails the test until it is restated. → keep `model_version` in the batch, or a `_build_collator()`.

@@ -623,17 +623,38 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
 
 
 def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
-    """Binary KL with a LoRA adapter (merged into the base weights for the file sync) trains and logs DPPO metrics."""
+    """Binary KL with a LoRA adapter, bf16 weights: trains and logs DPPO metrics; every sync (train begin and each
+    step) merged the adapter out of place, so the frozen base is the checkpoint's bit for bit, and the server serves
+    the trained adapter."""
     from peft import LoraConfig
+    from trainer_setup import frozen_base_changes, merged_reference
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer, recorder = _train(
-        tmp_path, server_url, peft_config=peft_config, max_steps=2, max_staleness=1, divergence="binary_kl"
+        tmp_path,
+        server_url,
+        peft_config=peft_config,
+        max_steps=2,
+        max_staleness=1,
+        divergence="binary_kl",
+        bf16=True,
+        model_init_kwargs={"dtype": "bfloat16"},
     )
     logs = [entry for entry in trainer.state.log_history if "dppo/divergence_mean" in entry]
     assert len(logs) == 2
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
     assert recorder.calls and all(torch.isfinite(pi).all() for pi, _, _ in recorder.calls)
+    assert trainer._merges_lora_out_of_place and trainer.model.dtype == torch.bfloat16
+    assert frozen_base_changes(trainer.model, TINY_MODEL)[0] == []
+    # The last step's sync reached the (fp32) server: it holds the trained model's merged weights, rounded once.
+    prompt_ids = trainer.processing_class.apply_chat_template(
+        _dataset()[0]["prompt"], add_generation_prompt=True, return_dict=False
+    )
+    token_ids, server_logps = _server_logps(server_url, prompt_ids, 6)
+    with torch.no_grad():
+        logits = merged_reference(trainer.model, TINY_MODEL)(torch.tensor([prompt_ids + token_ids])).logits
+    pi = torch.log_softmax(logits[0, len(prompt_ids) - 1 : -1], -1).gather(-1, torch.tensor(token_ids)[:, None])
+    assert (pi[:, 0] - torch.tensor(server_logps)).abs().max().item() < FRESH_MISMATCH
 
 
 def test_async_recipe_parses_into_the_config(tmp_path):

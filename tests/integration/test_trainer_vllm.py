@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from peft import LoraConfig
-from trainer_setup import changed_parameters, logged, make_trainer, snapshot_trainable
+from trainer_setup import changed_parameters, frozen_base_changes, logged, make_trainer, snapshot_trainable
 
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
 
@@ -17,6 +17,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 VLLM = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64)
+# LoRA in the precisions users run: bf16 weights (and a bf16 engine) for the binary divergences, fp32 weights under
+# bf16 autocast for the top-K ones.
+LORA_PRECISION = {
+    "binary_tv": dict(bf16=True, model_init_kwargs={"dtype": "bfloat16"}, vllm_cpu_dtype="bfloat16"),
+    "binary_kl": dict(bf16=True, model_init_kwargs={"dtype": "bfloat16"}, vllm_cpu_dtype="bfloat16"),
+    "topk_tv": dict(bf16=True),
+    "topk_kl": dict(bf16=True),
+}
 
 
 def _spy_engine(trainer) -> list:
@@ -71,8 +79,15 @@ def _spy_policy_passes(trainer) -> list:
 @pytest.mark.parametrize("divergence", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora):
+    precision = LORA_PRECISION[divergence] if lora else {}
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, peft_config=LORA if lora else None, divergence=divergence, max_steps=2, **VLLM
+        tiny_model_dir,
+        tmp_path,
+        peft_config=LORA if lora else None,
+        divergence=divergence,
+        max_steps=3 if lora else 2,  # LoRA: two syncs of a trained (non-zero) adapter
+        **VLLM,
+        **precision,
     )
     # Top-K reads only token ids from the engine: its candidate tokens are not decoded to text.
     assert trainer.vllm_generation.generation_kwargs.get("detokenize") is (
@@ -85,6 +100,14 @@ def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora
     assert passes == []
     changed = changed_parameters(trainer, before)
     assert changed and (not lora or all("lora_" in n for n in changed))
+    if lora:
+        # Three syncs merged the adapter for the engine out of place: the frozen base is the checkpoint, bit for bit
+        # (TRL's in-place merge and unmerge moves every adapted bf16 weight).
+        assert trainer._merges_lora_out_of_place
+        assert next(trainer.model.parameters()).dtype == (
+            torch.bfloat16 if divergence.startswith("binary") else torch.float32
+        )
+        assert frozen_base_changes(trainer.model, tiny_model_dir)[0] == []
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
     for key in ("dppo/mask_ratio", "dppo/divergence_mean", "dppo/mismatch_abs_max", "dppo/ratio_max"):
         assert logged(trainer, key) and all(math.isfinite(v) for v in logged(trainer, key)), key

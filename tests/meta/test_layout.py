@@ -53,3 +53,13 @@ def test_core_knows_nothing_of_trl():
         text = path.read_text(encoding="utf-8")
         for word in ("GRPOTrainer", "opened_clip", "clip_ratio/", "aggregate_per_token"):
             assert word not in text, f"{path.relative_to(ROOT)} mentions {word!r}: TRL knowledge belongs in a room"
+
+
+def test_weights_know_nothing_of_trl_and_the_lower_layers_nothing_of_them():
+    """`dppo_trl/weights` (the out-of-place LoRA merge) imports no TRL: the rooms bridge it onto TRL's syncs. The core
+    and the kernels do not import it."""
+    for path in sorted((ROOT / "dppo_trl" / "weights").glob("*.py")):
+        assert not any(name.split(".")[0] == "trl" for name in _imports(path)), path.name
+    for folder in ("core", "kernels"):
+        for path in sorted((ROOT / "dppo_trl" / folder).glob("*.py")):
+            assert not any(name.startswith("dppo_trl.weights") for name in _imports(path)), path

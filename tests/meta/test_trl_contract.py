@@ -356,6 +356,98 @@ def test_async_dataloader_is_trls_with_two_replacements():
     )
 
 
+def test_async_merged_sync_is_trls_without_the_in_place_merge():
+    """`_sync_weight_merged_out_of_place` restates TRL's `_sync_weight_merged`: identical code but for the edits."""
+    from dppo_trl.trainers.trl116.async_grpo import HookedAsyncGRPOTrainer
+
+    def tokens(snippet: str) -> str:
+        return " ".join(re.findall(r"\w+|[^\w\s]", snippet))
+
+    trls = " ".join(_code_tokens(_async_module().AsyncGRPOTrainer._sync_weight_merged))
+    for ours, original in trl_contract.ASYNC_SYNC_MERGED_EDITS:
+        assert tokens(original) in trls, f"AsyncGRPOTrainer._sync_weight_merged no longer contains {original!r}"
+        trls = trls.replace(tokens(original), tokens(ours))
+    ours = " ".join(_code_tokens(HookedAsyncGRPOTrainer._sync_weight_merged_out_of_place))
+    ours = ours.replace("_sync_weight_merged_out_of_place", "_sync_weight_merged", 1)
+    assert " ".join(ours.split()) == " ".join(trls.split()), (
+        "AsyncGRPOTrainer._sync_weight_merged changed: restate it in HookedAsyncGRPOTrainer (TRL's code with the "
+        "edits in trl_contract.ASYNC_SYNC_MERGED_EDITS)"
+    )
+
+
+def _trl_sync_walk(model) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What TRL 1.16's `VLLMGeneration._iter_named_params` yields for `model` on one process (called on a bare
+    instance: the walk reads only `model` and the distributed backend)."""
+    from types import SimpleNamespace
+
+    from trl.distributed import DistributedBackend
+
+    generation = object.__new__(vllm_generation.VLLMGeneration)
+    generation.model = model
+    generation._dist = DistributedBackend(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)))
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in generation._iter_named_params()]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_tied"])
+def test_merged_stream_sends_what_trls_syncs_send(kind):
+    """The out-of-place walk both rooms install yields TRL's names, dtypes and shapes, in TRL's order: those of the
+    synchronous trainer's walk (its server manifest is built from it) and of the asynchronous trainer's manifest. The
+    model has every piece TRL's name cleanup handles: LoRA layers (`.base_layer`), `target_parameters` experts
+    (nested wrappers), a `modules_to_save` copy (`original_module`) and, tied, a LoRA embedding the head shares."""
+    from peft import LoraConfig, get_peft_model
+
+    from dppo_dev.tiny_models import build_tiny_model
+    from dppo_trl.weights.stream import merged_named_weights
+
+    moe = kind == "qwen3_moe"
+    model, _ = build_tiny_model(kind.removesuffix("_tied"), dtype=torch.bfloat16, tie_word_embeddings=not moe)
+    config = LoraConfig(
+        r=4,
+        target_modules=["q_proj", "v_proj"] + ([] if moe else ["embed_tokens"]),
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if moe else None,
+        modules_to_save=["model.norm"],
+    )
+    model = get_peft_model(model, config)
+    ours = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in merged_named_weights(model)]
+    assert ours == _trl_sync_walk(model)
+    manifest = getattr(_async_module(), trl_contract.ASYNC_WEIGHT_MANIFEST)
+    assert ours == [(name, param.dtype, tuple(param.shape)) for name, param in manifest(model)]
+
+
+def test_a_model_the_walk_cannot_merge_keeps_trls_sync_with_a_warning(caplog):
+    """DoRA (a LoRA variant) or FSDP1: the sync trainer's room leaves TRL's walk in place and says why."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from dppo_dev.tiny_models import build_tiny_model
+    from dppo_trl.trainers.trl116.grpo import merge_lora_out_of_place
+
+    dora = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    plain = get_peft_model(build_tiny_model("qwen3")[0], LoraConfig(r=4, target_modules=["q_proj"]))
+    for model, fsdp_version, reason in ((dora, None, "DoraLinearVariant"), (plain, 1, "FSDP1")):
+        generation = SimpleNamespace()
+        trainer = SimpleNamespace(
+            model=model,
+            args=SimpleNamespace(use_vllm=True),
+            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))),
+            vllm_generation=generation,
+        )
+        with caplog.at_level("WARNING"):
+            assert not merge_lora_out_of_place(trainer)
+        assert vars(generation) == {} and reason in caplog.text and "in-place merge" in caplog.text
+        caplog.clear()
+    trainer.model = plain
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None), device=torch.device("cpu"))
+    assert merge_lora_out_of_place(trainer) and callable(generation._iter_named_params)
+
+
+def test_every_vllm_sync_reads_the_walk_the_room_replaces():
+    sync_source = inspect.getsource(vllm_generation.VLLMGeneration.sync_weights)
+    assert trl_contract.VLLM_COLOCATE_SYNC_FRAGMENT in sync_source, "VLLMGeneration.sync_weights changed"
+    assert list(inspect.signature(vllm_generation.VLLMGeneration._iter_named_params).parameters) == ["self"]
+
+
 def test_async_compute_loss_fragments():
     source = inspect.getsource(_async_module().AsyncGRPOTrainer.compute_loss)
     for fragment in trl_contract.ASYNC_COMPUTE_LOSS_FRAGMENTS:

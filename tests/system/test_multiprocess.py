@@ -229,3 +229,22 @@ def test_deepspeed_zero3_two_ranks_vllm_colocate(tmp_path, tiny_model_dir, deeps
         _assert_finite_dppo_metrics(result, steps=steps)
     _assert_ranks_agree_and_trained(results)
     _assert_fresh_mismatch(results, spg)
+
+
+SHARDED_LORA_SCRIPT = REPO / "tests" / "scripts" / "sharded_lora_sync.py"
+
+
+def test_lora_walk_on_zero3_and_fsdp2_shards(tmp_path, deepspeed_cpu_ops):
+    """The out-of-place LoRA walk the trainers sync with, on 2 gloo ranks: under ZeRO-3 it gathers one decoder layer
+    (or one module outside the layers) at a time, under FSDP2 it reads `DTensor` shards with `full_tensor()`; either
+    way every rank streams exactly the unsharded model's merged weights and no shard is written."""
+    cmd = [*_torchrun(), str(SHARDED_LORA_SCRIPT), "--out", str(tmp_path), "--watchdog", str(TIMEOUT_S - 60)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        zero3, fsdp2 = result["zero3"], result["fsdp2"]
+        assert zero3["equal"] and zero3["shards_unchanged"] and zero3["partitioned"], zero3
+        # At most one gather unit at a time, well below the whole model (3 decoder layers, embeddings, head).
+        assert 0 < zero3["peak_gathered_bytes"] <= zero3["largest_unit_bytes"] < zero3["model_bytes"] / 2, zero3
+        assert fsdp2["equal"] and fsdp2["shards_unchanged"] and fsdp2["sharded"], fsdp2

@@ -20,7 +20,14 @@ import requests
 import torch
 from conftest import get_free_port
 from forward_count import count_generation_passes
-from trainer_setup import byte_mean_reward, logged, make_trainer, math_prompt_dataset
+from trainer_setup import (
+    byte_mean_reward,
+    frozen_base_changes,
+    logged,
+    make_trainer,
+    math_prompt_dataset,
+    merged_reference,
+)
 
 from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION, build_server_command
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
@@ -402,6 +409,37 @@ def test_one_rank_trains_against_the_server(server, trainer_env, tmp_path, diver
     # The server still holds the weights of the last generation (syncs happen only before generating): μ as the
     # trainer received it over HTTP is what the server itself computes for the same tokens.
     assert _assert_mu_matches_server(server, batches[-1], k) > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_in_bf16_reaches_the_server_merged_and_leaves_the_base(server, trainer_env, tmp_path):
+    """LoRA on bf16 weights: every file sync (one per step, and one more after training) carries the adapter merged
+    out of place, so the frozen base is the checkpoint's bit for bit, and the (fp32) server then holds the trained
+    model's merged weights rounded once to bf16."""
+    from peft import LoraConfig
+
+    trainer = make_trainer(
+        TINY_MODEL,
+        tmp_path,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        reward_funcs=byte_mean_reward,
+        max_steps=2,
+        bf16=True,
+        model_init_kwargs={"dtype": "bfloat16"},
+        **_server_config(server),
+    )
+    reloads = _spy_reloads(trainer)
+    trainer.train()
+    trainer.vllm_generation.sync_weights()
+    assert trainer._merges_lora_out_of_place and len(reloads) == 3
+    assert frozen_base_changes(trainer.model, TINY_MODEL)[0] == []
+    sequence = trainer.processing_class("What is 2+3? The answer is 5.")["input_ids"]
+    scored = _server_prompt_logprobs(server, sequence, 0)
+    with torch.no_grad():
+        logps = torch.log_softmax(merged_reference(trainer.model, TINY_MODEL)(torch.tensor([sequence])).logits[0], -1)
+    errors = [abs(scored[t][sequence[t]] - logps[t - 1, sequence[t]].item()) for t in range(1, len(sequence))]
+    assert max(errors) <= FRESH_MISMATCH, errors
 
 
 @pytest.mark.vllm

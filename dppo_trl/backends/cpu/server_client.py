@@ -3,7 +3,8 @@
 TRL pushes weights to a `vllm_mode="server"` server over an NCCL group (`VLLMClient.init_communicator` raises on a
 CPU trainer) and vLLM has no CPU weight-transfer backend. `cpu_sync_client_class(VLLMClient)` is a subclass that
 skips the communicator and receives TRL's own weight stream (`sync_weights` is untouched, so every rank still
-iterates the parameters and PEFT merge/unmerge and ZeRO-3 gathers apply): rank 0 hands it to
+iterates the trainer's walk, `_iter_named_params`, with its ZeRO-3 gathers and, for a DPPO LoRA model, the
+out-of-place merge of `dppo_trl.weights.stream`): rank 0 hands it to
 `weight_sync.reload_server_weights_from_file`; TRL then resets the prefix cache.
 
 It is installed only for a trainer whose device is the CPU (`dppo_trl.backends.cpu.construction.server_client_class`

@@ -13,9 +13,9 @@ and repacks them, and then redoes the two CPU steps that reload skips:
   so the kernel would read plain checkpoint-layout values as if they were packed (logprobs off by several nats
   after the first sync). The reloaded expert layers are re-packed in place.
 
-Colocate: `bind_colocate_weight_sync` gives one trainer's `VLLMGeneration` a `sync_weights` that pushes TRL's
-`_iter_named_params()` (PEFT merge/unmerge and ZeRO-3 gathers still apply) through `llm.collective_rpc` into the
-reload. Server: `reload_server_weights_from_file` writes the stream to one safetensors file in a fresh private
+Colocate: `bind_colocate_weight_sync` gives one trainer's `VLLMGeneration` a `sync_weights` that pushes the
+generation's `_iter_named_params()` (the trainer's walk: for a LoRA model DPPO's out-of-place merge, gathered one
+layer at a time under ZeRO-3, `dppo_trl.weights.stream`) through `llm.collective_rpc` into the reload. Server: `reload_server_weights_from_file` writes the stream to one safetensors file in a fresh private
 temporary directory and asks the server (`python -m dppo_trl.backends.cpu.vllm_server`, whose workers carry
 `WeightReloadExtension`) to reload from it over `/collective_rpc`.
 """
@@ -125,9 +125,10 @@ def _reload_weights_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Te
 
 
 def _detached_copies(named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    # vLLM's layerwise reload buffers tensors until a whole layer has arrived, but TRL's iterator only guarantees a
-    # tensor while it is suspended at its yield: PEFT unmerges adapters in place after the last one and ZeRO-3
-    # re-partitions gathered params. Copies keep the buffered values valid; peak extra memory is about one layer.
+    # vLLM's layerwise reload buffers tensors until a whole layer has arrived, but the walks (TRL's and
+    # `dppo_trl.weights.stream`'s) only guarantee a tensor while suspended at its yield: ZeRO-3 re-partitions gathered
+    # params, and TRL's walk unmerges adapters in place after the last one. Copies keep the buffered values valid;
+    # peak extra memory is about one layer.
     for name, tensor in named_params:
         yield name, tensor.detach().clone()
 

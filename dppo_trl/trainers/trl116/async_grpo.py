@@ -14,6 +14,7 @@ deleted and the hook becomes TRL's:
 | each turn fitted to the server's context (a turn with no room ends its conversation) | `ContextFitRolloutLoop` (`dppo_trl.trainers.trl116.async_context`), a subclass of TRL's private rollout loop and the base of `TopKRolloutLoop`, run by the same worker swap | async-7 |
 | `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
 
+| LoRA weights merged out of place, gathered one decoder layer at a time, in every merged-weight sync | `_sync_weight_merged` restated without its in-place `merge_adapter()` / `unmerge_adapter()`, streaming `dppo_trl.weights.stream.merged_named_weights` (the names, dtypes and shapes of TRL's manifest) | async-8 |
 | the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.kernels.tree_attention.registered_tree_attention`) | async-6 |
 
 The CPU paths (async-4) are the constructor's, in `AsyncDPPOTrainer`. `tests/integration/test_async_dppo.py` pins the normalisation against
@@ -26,12 +27,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, is_peft_model
 from torch import Tensor
 from torch.utils.data import DataLoader
 from trl.experimental.async_grpo.async_grpo_trainer import (
@@ -61,6 +64,7 @@ from dppo_trl.trainers.async_topk import (
 )
 from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker, _current_task
+from dppo_trl.weights.stream import in_place_fallback_message, merged_named_weights, out_of_place_problems
 
 # Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
 # `segment_id` numbers a row's samples, −1 padded.
@@ -293,6 +297,8 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.rollout_queue = self.rollout_worker.rollout_buffer
         # async-3: (trainer state, optimizer step, version) of the last `_policy_version()` read on several processes.
         self._policy_version_read: tuple[Any, int, int] | None = None
+        # async-8: a LoRA model's merged-weight syncs merge out of place.
+        self._merges_lora_out_of_place = self._lora_merges_out_of_place()
 
     # ------------------------------------------------------------------------------------------------------------
     # The hooks a subclass implements or overrides
@@ -368,6 +374,70 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
                 num_workers=0,
             )
         )
+        # restates-trl: end
+
+    # ------------------------------------------------------------------------------------------------------------
+    # async-8: the merged-weight sync without TRL's in-place merge
+    # ------------------------------------------------------------------------------------------------------------
+    def _lora_merges_out_of_place(self) -> bool:
+        """Whether `_sync_weight_merged` streams a LoRA model merged out of place (`dppo_trl.weights.stream`); a model
+        the walk cannot merge keeps TRL's in-place merge, with a warning."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            return False
+        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        problems = out_of_place_problems(model, getattr(fsdp_plugin, "fsdp_version", None))
+        if problems:
+            logger.warning(in_place_fallback_message(problems))
+        return not problems
+
+    def _merged_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+        """What `_streaming_iter` yields (the parameters of TRL's manifest, `_iter_vllm_named_params`, on the
+        trainer's device), LoRA-adapted ones merged out of place."""
+        return merged_named_weights(model, self.accelerator.device)
+
+    def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:
+        """TRL's merged-weight sync; for a LoRA model without its in-place `merge_adapter()` / `unmerge_adapter()`,
+        which in bf16 does not give the frozen base back: the stream merges out of place instead, one decoder layer
+        gathered at a time (`_sync_weight_merged_out_of_place`)."""
+        if not self._merges_lora_out_of_place:
+            return super()._sync_weight_merged(t0)
+        return self._sync_weight_merged_out_of_place(t0)
+
+    def _sync_weight_merged_out_of_place(self, t0: float) -> tuple[float, float, float]:
+        """`AsyncGRPOTrainer._sync_weight_merged` of TRL 1.16 (restated TRL code) without the in-place merge and
+        unmerge, streaming `_merged_weights(model)` instead of `_streaming_iter()`; a contract test checks that the
+        rest is TRL's code token for token (tests/trl_contract.py, `ASYNC_SYNC_MERGED_EDITS`)."""
+        # restates-trl: begin AsyncGRPOTrainer._sync_weight_merged
+        model = self.accelerator.unwrap_model(self.model)
+
+        logger.info("Weight sync: pausing vLLM...")
+        if self.accelerator.is_main_process and self.weight_transfer:
+            self.weight_transfer.pause()
+        t_pause = time.time()
+        logger.info(f"Weight sync: pause took {t_pause - t0:.1f}s, waiting for all ranks...")
+
+        self.accelerator.wait_for_everyone()
+        t_barrier = time.time()
+
+        logger.info(f"Weight sync: transferring weights... (barrier took {t_barrier - t_pause:.1f}s)")
+        if self.accelerator.is_main_process and self.weight_transfer:
+            self.weight_transfer.send_weights(self._merged_weights(model))
+        else:
+            for _ in self._merged_weights(model):
+                pass
+        t_transfer = time.time()
+
+        self.accelerator.wait_for_everyone()
+
+        logger.info(f"Weight sync: resuming vLLM... (transfer took {t_transfer - t_barrier:.1f}s)")
+        if self.accelerator.is_main_process:
+            if self.weight_transfer:
+                self.weight_transfer.resume()
+            self.model_version += 1
+            if self.rollout_worker:
+                self.rollout_worker.update_model_version(self.model_version)
+        return t_pause, t_barrier, t_transfer
         # restates-trl: end
 
     def _tree_attention_registered(self) -> contextlib.AbstractContextManager:

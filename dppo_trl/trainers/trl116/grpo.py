@@ -12,6 +12,7 @@ tests/trl_contract.py it needs; when TRL ships the hook, that part is deleted an
 | `_aggregate(per_token, mask, inputs)`: a term aggregated like the policy term | `aggregate_per_token_loss` restates GRPOTrainer's five normalisers; a term that is part of the policy term gets TRL's entropy mask (`get_high_entropy_mask`) | grpo-4 |
 | `policy.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside the parent's log-prob pass | kept |
 | TRL's clip-rate metrics dropped | `PARENT_CLIP_METRICS`: always 0 with the clip opened | grpo-3 |
+| LoRA weights merged out of place, gathered one decoder layer at a time, in every vLLM sync | `VLLMGeneration._iter_named_params`, the one walk TRL's colocate and server syncs (and the CPU ones) read, is `dppo_trl.weights.stream.merged_named_weights` on this trainer's instance (`merge_lora_out_of_place`) | grpo-7 |
 
 A subclass implements `_policy_loss_terms` and may override `_needs_old_per_token_logps`, `_wants_hidden_states` and
 `_anchor_logps`; it never touches the slot, the descriptor or the clip. `tests/integration/test_loss_gradient.py`
@@ -21,17 +22,23 @@ checks the gradient through GRPOTrainer's real `_compute_loss`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import Tensor
 from trl import GRPOTrainer
 
 from dppo_trl.kernels.engine_view import backbone, last_hidden_state
 from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
+from dppo_trl.weights.stream import in_place_fallback_message, merged_named_weights, out_of_place_problems
+
+logger = logging.getLogger(__name__)
 
 # The anchor is clamped here before GRPOTrainer exponentiates `log π − old`: exp(60) is finite in fp32, and the weight
 # at the mask slot is computed against the clamped value, so the product stays exact.
@@ -118,6 +125,8 @@ class HookedGRPOTrainer(GRPOTrainer):
         # grpo-2: a non-None threshold makes GRPOTrainer call `get_off_policy_mask`; the user's own OPSM threshold (if
         # any) still applies on top, through `self.args.off_policy_mask_threshold`.
         self.off_policy_mask_threshold = math.inf
+        # grpo-7: every vLLM sync sends LoRA weights merged out of place.
+        self._merges_lora_out_of_place = merge_lora_out_of_place(self)
 
     # ------------------------------------------------------------------------------------------------------------
     # The hooks a subclass implements or overrides
@@ -295,6 +304,35 @@ class HookedGRPOTrainer(GRPOTrainer):
         return weight.to(per_token_logps.dtype)
 
     get_off_policy_mask = _StaticOnClassBoundOnInstance(GRPOTrainer.get_off_policy_mask, "_off_policy_mask")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grpo-7: the merged-weight walk of every vLLM sync
+# ----------------------------------------------------------------------------------------------------------------
+def merge_lora_out_of_place(trainer: GRPOTrainer) -> bool:
+    """Make `trainer`'s vLLM syncs send a LoRA model's weights merged out of place, gathered one decoder layer at a
+    time (`dppo_trl.weights.stream`); True if they do. `HookedGRPOTrainer` calls it for itself; a plain
+    `GRPOTrainer` can be given it the same way.
+
+    TRL 1.16's syncs all read `VLLMGeneration._iter_named_params()`: its colocate and server `sync_weights`, the
+    server manifest (`_weight_metadata`, built from the same walk) and the CPU syncs of `dppo_trl.backends.cpu`. For
+    a `PeftModel` it merges the adapters into the base in place and unmerges them after, which in bf16 does not give
+    the base back, and under ZeRO-3 gathers the whole model first. The walk replaces it on this trainer's instance
+    only, with TRL's names, dtypes and shapes (tests/meta/test_trl_contract.py). A model the walk cannot merge keeps
+    TRL's, with a warning.
+    """
+    model = trainer.model
+    if not trainer.args.use_vllm or not is_peft_model(model):
+        return False
+    fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    problems = out_of_place_problems(model, getattr(fsdp_plugin, "fsdp_version", None))
+    if problems:
+        logger.warning(in_place_fallback_message(problems))
+        return False
+    trainer.vllm_generation._iter_named_params = functools.partial(
+        merged_named_weights, model, trainer.accelerator.device
+    )
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
