@@ -344,7 +344,8 @@ def test_dry_run_refuses_a_gpu_test_import_the_machine_lacks(stale_run):
     assert report["steps"]["install"]["rc"] == 0 and report["steps"]["imports"]["rc"] == 0
     assert report["steps"]["gpu_tests_collect"]["rc"] != 0
     assert "requests (imported by dppo_trl/backends/cpu/async_cpu.py of the installed dppo-trl wheel)" in log
-    assert "tests/unit/test_tree_attention.py::" not in log  # its gpu tests did not collect
+    assert "tests/unit/test_tree_attention.py::test_" not in log  # its gpu tests did not collect
+    assert "output lacks 'tests/unit/test_tree_attention.py::'" in log
 
 
 def test_a_killed_run_keeps_the_report_of_the_steps_it_ran(stale_run):
