@@ -358,32 +358,36 @@ def test_a_killed_run_keeps_the_report_of_the_steps_it_ran(stale_run):
 
 
 def test_fresh_compares_the_wheel_with_the_checkout_and_refresh_rebuilds_only_it(tmp_path, capsys):
-    """`gpu_manifest.py fresh` against the checkout a wheel was built from and one that changed since; `refresh`
-    replaces only the dppo-trl wheel (the downloaded ones need PyPI again) and rewrites the manifest."""
-    source = tmp_path / "src"
-    shutil.copytree(ROOT / "dppo_trl", source / "dppo_trl", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "setup.cfg", source / "setup.cfg")
+    """`gpu_manifest.py fresh` on a wheel built from an older state of the package (one file changed, one added
+    since, one removed since), then `scripts/gpu_wheels.sh --refresh DIR`, which replaces only the dppo-trl wheel (the
+    downloaded ones need PyPI again) and rewrites the manifest, without network."""
+    older = tmp_path / "older"
+    shutil.copytree(ROOT / "dppo_trl", older / "dppo_trl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "setup.cfg", older / "setup.cfg")
+    (older / "dppo_trl" / "kernels" / "tree_attention.py").write_text("# before the change\n")
+    (older / "dppo_trl" / "kernels" / "engine_view.py").unlink()
+    (older / "dppo_trl" / "kernels" / "removed_since.py").write_text("")
     folder = tmp_path / "wheels"
-    assert gpu_manifest.main(["wheel", str(folder), "--root", str(source)]) == 0
+    assert gpu_manifest.main(["wheel", str(folder), "--root", str(older)]) == 0
     other = _wheel(folder, "trl", "1.16.0", [])
     assert gpu_manifest.main(["write", str(folder), "--python", "3.12"]) == 0
-    assert gpu_manifest.main(["fresh", str(folder), "--root", str(source)]) == 0
-    (source / "dppo_trl" / "kernels" / "tree_attention.py").write_text("# replaced\n")
-    (source / "dppo_trl" / "kernels" / "new_module.py").write_text("")
-    (source / "dppo_trl" / "core" / "types.py").unlink()
+    assert gpu_manifest.main(["fresh", str(folder), "--root", str(older)]) == 0
     capsys.readouterr()
-    assert gpu_manifest.main(["fresh", str(folder), "--root", str(source)]) == 1
+    assert gpu_manifest.main(["fresh", str(folder)]) == 1  # against this checkout
     err = capsys.readouterr().err
     for difference in (
-        "missing dppo_trl/kernels/new_module.py",
-        "not in the checkout: dppo_trl/core/types.py",
+        "missing dppo_trl/kernels/engine_view.py",
+        "not in the checkout: dppo_trl/kernels/removed_since.py",
         "differs: dppo_trl/kernels/tree_attention.py",
         f"`scripts/gpu_wheels.sh --refresh {folder}`",
     ):
         assert difference in err
     before = other.read_bytes()
-    assert gpu_manifest.main(["refresh", str(folder), "--root", str(source)]) == 0
-    assert gpu_manifest.main(["fresh", str(folder), "--root", str(source)]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHON": sys.executable}
+    subprocess.run(
+        ["bash", "scripts/gpu_wheels.sh", "--refresh", str(folder)], cwd=ROOT, env=env, check=True, timeout=300
+    )
+    assert gpu_manifest.main(["fresh", str(folder)]) == 0
     assert gpu_manifest.main(["check", str(folder), "--python", "3.12"]) == 0
     assert other.read_bytes() == before and len(list(folder.glob("*.whl"))) == 2
 
