@@ -66,7 +66,7 @@ TREE_ATTENTION_CHOICES = ("auto", "fa3", "sdpa", "eager")
 # CUDA and "mask" elsewhere; the CPU tests force each, so neither is reached only on a GPU.
 LOWER_RIGHT_CHOICES = ("bias", "mask")
 
-# Query rows per SDPA call where an explicit mask is needed (sliding window; bottom-right alignment off CUDA): the
+# Query rows per SDPA call where an explicit mask is needed (sliding window; `lower_right="mask"`): the
 # boolean mask is at most `_MASK_QUERY_CHUNK x (L_k)` instead of `L_q x L_k`.
 _MASK_QUERY_CHUNK = 2048
 # Softcap: score elements (heads x query rows x keys) per chunk of the explicit softmax, 2**25 = 128 MiB in float32.

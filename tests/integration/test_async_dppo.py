@@ -651,8 +651,9 @@ U_BF16 = 2.0**-8
 def test_async_dppo_in_bf16_end_to_end(tmp_path, server_url, precision):
     """One step in the precision GPUs train in, against the same float32 server: tree attention gets what a Qwen3
     layer hands it there (under autocast q and k in float32, v in bf16) and runs the lower-right bias below forks, the
-    CUDA default, forced here; μ of up-to-date samples equals the trainer's π to what bf16 promises; the weights the
-    trainer sends (bf16 ones included) reach the server exactly.
+    CUDA default, forced here (on a forked row of its own too, since rollouts need not share a prefix); μ of
+    up-to-date samples equals the trainer's π to what bf16 promises; the weights the trainer sends (bf16 ones
+    included) reach the server exactly.
 
     |π − μ| of an up-to-date sample: μ is the server's float32 log-prob, π the trainer's from the same weights in bf16.
     Each logit is rounded to bf16 once at most (≤ u·|z|, u = 2^-8) after hidden states that carry a few roundings of
@@ -690,7 +691,15 @@ def test_async_dppo_in_bf16_end_to_end(tmp_path, server_url, precision):
     assert next(trainer.model.parameters()).dtype == weights
     trainer.train()
     expected = {(torch.float32, torch.float32, torch.bfloat16)} if weights == torch.float32 else {(weights,) * 3}
+    assert seen_dtypes == expected
+    # A step's rollouts need not share a prefix: one more training step on a row that forks, through the model as
+    # `train()` prepared it (its forward under bf16 autocast), runs the lower-right bias below the forks.
+    seen_dtypes.clear()
+    below_fork.clear()
+    trainer.model.zero_grad()
+    trainer.training_step(trainer.model, dict(_batch(trainer, versions=[1, 1, 1])), None)
     assert seen_dtypes == expected and any(below_fork)
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
     logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
     assert len(logs) == 1 and torch.isfinite(torch.tensor(logs[0]["loss"]))
 
