@@ -5,6 +5,9 @@
     python scripts/gpu_manifest.py check DIR [--python 3.12]   # every wheel present, sizes and sha256 as written
     python scripts/gpu_manifest.py machine DIR                 # what the wheels expect the machine to hold
     python scripts/gpu_manifest.py imports DIR SITE [--cuda]   # after `pip install --target SITE`: who imports from where
+    python scripts/gpu_manifest.py fresh DIR                   # DIR's dppo-trl wheel holds this checkout's package
+    python scripts/gpu_manifest.py refresh DIR                 # rebuild only that wheel, rewrite the manifest
+    python scripts/gpu_manifest.py pytest SITE -- ARGS...      # pytest, refusing imports the GPU machine would lack
 
 `write` records every wheel (name, version, bytes, sha256), a `requirements.txt` pinning each of them (pip then
 installs exactly these), and, for each requirement of these wheels that no wheel in DIR provides (torch, triton,
@@ -275,8 +278,9 @@ def _write_member(wheel: zipfile.ZipFile, arcname: str, data: bytes) -> None:
     wheel.writestr(info, data)
 
 
-def build_wheel(root: str, folder: str) -> str:
-    """Write the pure-Python wheel of the package described by ROOT/setup.cfg into FOLDER; returns its path."""
+def _wheel_members(root: str) -> tuple[str, dict[str, bytes]]:
+    """The dppo-trl wheel of ROOT/setup.cfg: its file name stem (`name-version`) and every member but RECORD, with
+    its bytes (package files as in the checkout, then METADATA, WHEEL and top_level.txt)."""
     config = configparser.ConfigParser(interpolation=None)
     if not config.read(os.path.join(root, "setup.cfg")):
         raise SystemExit(f"gpu_manifest: no setup.cfg in {root!r}")
@@ -308,27 +312,178 @@ def build_wheel(root: str, folder: str) -> str:
             metadata.append(f"Provides-Extra: {extra}")
             metadata += [f'Requires-Dist: {r} ; extra == "{extra}"' for r in _lines(requirements)]
     dist = f"{canonical(name).replace('-', '_')}-{version}"
+    members = {f.replace(os.sep, "/"): _read(os.path.join(root, f)) for f in files}
     generated = {
         f"{dist}.dist-info/METADATA": "\n".join(metadata) + "\n",
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: scripts/gpu_manifest.py\nRoot-Is-Purelib: true\n"
         "Tag: py3-none-any\n",
         f"{dist}.dist-info/top_level.txt": "".join(f"{t}\n" for t in tops),
     }
+    members.update((arcname, text.encode("utf-8")) for arcname, text in generated.items())
+    return dist, members
+
+
+def build_wheel(root: str, folder: str) -> str:
+    """Write the pure-Python wheel of the package described by ROOT/setup.cfg into FOLDER; returns its path."""
+    dist, members = _wheel_members(root)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{dist}-py3-none-any.whl")
     record = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
-        for arcname, data in [
-            *((f.replace(os.sep, "/"), _read(os.path.join(root, f))) for f in files),
-            *((arcname, text.encode("utf-8")) for arcname, text in generated.items()),
-        ]:
+        for arcname, data in members.items():
             _write_member(wheel, arcname, data)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             record.append(f"{arcname},sha256={digest},{len(data)}\n")
         record.append(f"{dist}.dist-info/RECORD,,\n")
         _write_member(wheel, f"{dist}.dist-info/RECORD", "".join(record).encode("utf-8"))
-    print(f"gpu_manifest: built {path} ({len(files)} package files)")
+    n_files = sum(1 for arcname in members if not arcname.startswith(f"{dist}.dist-info/"))
+    print(f"gpu_manifest: built {path} ({n_files} package files)")
     return path
+
+
+REFRESH_HINT = "rebuild it from this checkout: `scripts/gpu_wheels.sh --refresh {dir}` (no network; it replaces only the dppo-trl wheel and rewrites the manifest)"
+
+
+def fresh(folder: str, root: str) -> int:
+    """Whether the folder's dppo-trl wheel holds this checkout's package: the same files with the same bytes, and the
+    same metadata. A wheel built before a change would run the old code on the GPU machine (its name never changes)."""
+    wheels = sorted(f for f in os.listdir(folder) if f.startswith("dppo_trl-") and f.endswith(".whl"))
+    if len(wheels) != 1:
+        print(
+            f"gpu_manifest: {folder}: {len(wheels)} dppo-trl wheels, not one; {REFRESH_HINT.format(dir=folder)}",
+            file=sys.stderr,
+        )
+        return 1
+    dist, expected = _wheel_members(root)
+    with zipfile.ZipFile(os.path.join(folder, wheels[0])) as wheel:
+        held = {n: wheel.read(n) for n in wheel.namelist() if not n.endswith(".dist-info/RECORD")}
+    differences = [f"missing {n}" for n in sorted(set(expected) - set(held))]
+    differences += [f"not in the checkout: {n}" for n in sorted(set(held) - set(expected))]
+    differences += [f"differs: {n}" for n in sorted(set(held) & set(expected)) if held[n] != expected[n]]
+    if differences:
+        shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+        print(
+            f"gpu_manifest: {folder}/{wheels[0]} was built from another version of the checkout ({shown}): the GPU "
+            f"run would test that code, not this checkout's; {REFRESH_HINT.format(dir=folder)}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"gpu_manifest: {wheels[0]} holds this checkout's {dist} ({len(expected)} files)")
+    return 0
+
+
+def refresh(folder: str, root: str) -> int:
+    """Replace the folder's dppo-trl wheel with this checkout's and rewrite the manifest for the folder's Python,
+    keeping every other wheel (they need PyPI to fetch again)."""
+    manifest = load(folder)
+    if manifest is None:
+        return 2
+    for name in os.listdir(folder):
+        if name.startswith("dppo_trl-") and name.endswith(".whl"):
+            os.remove(os.path.join(folder, name))
+    build_wheel(root, folder)
+    return write(folder, manifest["python"], manifest["limit_bytes"] // 2**20)
+
+
+# Top-level modules the lent GPU machine's python3 provides besides the standard library (recorded on 2026-11-26,
+# ../shared notes and docs/recipes.md, "GPU checks"): its CUDA torch and triton, and what the wheel list leaves to it.
+MACHINE_MODULES = frozenset(
+    {"torch", "triton", "numpy", "pandas", "pyarrow", "matplotlib", "sympy", "transformers", "accelerate", "peft"}
+    | {"pytest", "_pytest"}
+)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
+class _ImportGuard:
+    """Wraps `builtins.__import__` so that every import statement of this project's own code (the installed dppo_trl,
+    the checkout's sources: dppo_dev, tests, examples) naming a top-level module the GPU machine would not have fails:
+    neither the standard library, nor this project, nor a distribution of the wheel list (scripts/gpu_wheels.txt,
+    what scripts/gpu_wheels.sh puts in the folder; the dry run's tests take them from their environment), nor
+    `MACHINE_MODULES`. Every statement is checked, also when another package imported the module first. Imports made by
+    third-party packages are theirs (their wheels' metadata declare them, and the `machine` step checks those)."""
+
+    def __init__(self, site: str, checkout: str):
+        import builtins
+        import importlib.metadata
+
+        self.site, self.checkout = os.path.realpath(site), os.path.realpath(checkout)
+        # The interpreter's own packages (a virtual environment may sit inside the checkout, as .venv does)
+        self.installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+        with open(os.path.join(checkout, "scripts", "gpu_wheels.txt")) as f:
+            pins = [line.split("==")[0].strip() for line in f if line.strip() and not line.startswith("#")]
+        self.pinned = {canonical(name) for name in pins}
+        self.distributions = importlib.metadata.packages_distributions()
+        self.refused: list[str] = []
+        self.checked: dict[str, bool] = {}
+        self.builtins, self.original = builtins, builtins.__import__
+
+    def __enter__(self):
+        self.builtins.__import__ = self._import
+        return self
+
+    def __exit__(self, *exc):
+        self.builtins.__import__ = self.original
+
+    def _project(self, path: str) -> bool:
+        """A file of this project: the installed dppo_trl, or the checkout's own sources (dppo_dev, tests, ...)."""
+        path = os.path.realpath(path)
+        if _inside(path, os.path.join(self.site, "dppo_trl")):
+            return True
+        return _inside(path, self.checkout) and not any(_inside(path, p) for p in self.installed | {self.site})
+
+    def _provided(self, top: str) -> bool:
+        if top in sys.stdlib_module_names or top in MACHINE_MODULES or top in sys.builtin_module_names:
+            return True
+        if {canonical(d) for d in self.distributions.get(top, [])} & self.pinned:
+            return True
+        module = sys.modules.get(top)
+        if module is not None:
+            origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", []) or []), "")
+        else:
+            import importlib.machinery
+
+            spec = importlib.machinery.PathFinder.find_spec(top)
+            if spec is None:
+                return True  # not installed here either: Python raises its own ModuleNotFoundError
+            origin = spec.origin or next(iter(spec.submodule_search_locations or []), "")
+        return not origin or _inside(os.path.realpath(origin), self.site) or self._project(origin)
+
+    def _import(self, name, globals=None, locals=None, fromlist=(), level=0):
+        importer = (globals or {}).get("__file__")
+        if level == 0 and importer and self._project(importer):
+            top = name.partition(".")[0]
+            if top not in self.checked:
+                self.checked[top] = self._provided(top)
+            if not self.checked[top]:
+                importer = os.path.realpath(importer)
+                where = (
+                    f"{os.path.relpath(importer, self.site)} of the installed dppo-trl wheel"
+                    if _inside(importer, self.site)
+                    else os.path.relpath(importer, self.checkout)
+                )
+                message = (
+                    f"{top} (imported by {where}) is neither in the wheel list (scripts/gpu_wheels.txt) nor on the GPU "
+                    f"machine (scripts/gpu_manifest.py MACHINE_MODULES): the GPU run could not import it. Import it "
+                    f"where it is used instead, or add its wheel to scripts/gpu_wheels.txt"
+                )
+                self.refused.append(message)
+                raise ModuleNotFoundError(message, name=top)
+        return self.original(name, globals, locals, fromlist, level)
+
+
+def guarded_pytest(site: str, pytest_args: list[str]) -> int:
+    """`pytest PYTEST_ARGS` with `_ImportGuard` installed: run as the dry run's test collection, it fails where a test
+    file (or what it imports of this project) needs a module the GPU machine would lack, naming it."""
+    import pytest
+
+    with _ImportGuard(site, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) as guard:
+        code = int(pytest.main(pytest_args))
+    for message in dict.fromkeys(guard.refused):
+        print(f"gpu_manifest: import guard: {message}", file=sys.stderr)
+    return code or (1 if guard.refused else 0)
 
 
 def main(argv=None) -> int:
@@ -341,6 +496,15 @@ def main(argv=None) -> int:
     w.add_argument("folder")
     w.add_argument("--python", required=True, help="Python version the wheels are for, e.g. 3.12")
     w.add_argument("--limit-mib", type=int, default=LIMIT_MIB)
+    f = sub.add_parser("fresh", help="check that DIR's dppo-trl wheel holds this checkout's package")
+    f.add_argument("folder")
+    f.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = sub.add_parser("refresh", help="replace DIR's dppo-trl wheel with this checkout's and rewrite the manifest")
+    r.add_argument("folder")
+    r.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    g = sub.add_parser("pytest", help="run pytest refusing this project's imports the GPU machine would lack")
+    g.add_argument("site")
+    g.add_argument("pytest_args", nargs=argparse.REMAINDER)
     c = sub.add_parser("check", help="check DIR against its manifest")
     c.add_argument("folder")
     c.add_argument("--python", help="fail unless the wheels are for this Python version")
@@ -358,6 +522,12 @@ def main(argv=None) -> int:
         return write(args.folder, args.python, args.limit_mib)
     if args.command == "check":
         return check(args.folder, args.python)
+    if args.command == "fresh":
+        return fresh(args.folder, args.root)
+    if args.command == "refresh":
+        return refresh(args.folder, args.root)
+    if args.command == "pytest":
+        return guarded_pytest(args.site, [a for a in args.pytest_args if a != "--"])
     if args.command == "imports":
         return imports(args.folder, args.site, args.cuda)
     return machine(args.folder)

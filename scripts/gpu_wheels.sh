@@ -6,6 +6,8 @@
 #
 #   scripts/gpu_wheels.sh [DIR] [--python 3.12]      # run where pip reaches PyPI; PYTHON picks the pip to use
 #   scripts/gpu_wheels.sh --no-download DIR          # only the dppo-trl wheel and the manifest (no network)
+#   scripts/gpu_wheels.sh --refresh DIR              # after a change: replace only the dppo-trl wheel (no network),
+#                                                    # keep the downloaded wheels, rewrite the manifest
 #
 # The dppo-trl wheel is written by `scripts/gpu_manifest.py wheel` with the standard library, so any Python 3 builds
 # it (a bare one has no setuptools, or one without `bdist_wheel`); `scripts/gpu_check.sh --dry-run` runs the
@@ -16,17 +18,27 @@ cd "$(dirname "$0")/.."
 DIR=.gpu_wheels
 TARGET_PY=3.12  # the lent H100/H200 image's python3 (see docs/recipes.md, "GPU checks")
 DOWNLOAD=1
+REFRESH=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) TARGET_PY="$2"; shift 2 ;;
     --no-download) DOWNLOAD=0; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --refresh) REFRESH=1; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) DIR="$1"; shift ;;
   esac
 done
 PYTHON="${PYTHON:-python3}"
 ABI="cp${TARGET_PY/./}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+if [ "$REFRESH" = 1 ]; then
+  # The dppo-trl wheel is always named dppo_trl-<version>, so a folder built before a change would install old code
+  # (scripts/gpu_check.sh refuses it): rebuild just that wheel, for the Python the manifest records.
+  "$PYTHON" scripts/gpu_manifest.py refresh "$DIR"
+  du -sh "$DIR"
+  exit 0
+fi
 
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl "$DIR/manifest.json" "$DIR/requirements.txt"  # one version of each package, nothing stale

@@ -99,6 +99,7 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "OLD_LOGPS_PASS": "grpo-1",
     "LIGER_GRPO_INIT_FRAGMENTS": KEPT,
     "LIGER_APPLY_FRAGMENT": KEPT,
+    "LIGER_APPLY_FUNCTION": KEPT,
     "ASYNC_MODULE": KEPT,
     "ASYNC_OVERRIDDEN_METHODS": {
         "__init__": KEPT,

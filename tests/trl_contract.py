@@ -246,6 +246,9 @@ LIGER_GRPO_INIT_FRAGMENTS = (
     'args.liger_kernel_config = {**liger_kernel_config, "fused_linear_cross_entropy": False}',
 )
 LIGER_APPLY_FRAGMENT = "apply_liger_kernel(self.model, self.args.liger_kernel_config)"
+# The function that call reaches (transformers' trainer module imports it from here): the CUDA test of
+# tests/integration/test_liger.py applies Liger through it with the trainer's config, as `train()` does.
+LIGER_APPLY_FUNCTION = "transformers.integrations.liger.apply_liger_kernel"
 
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL's experimental asynchronous trainer (`trl.experimental.async_grpo`), relied on by dppo_trl/trainers/async_dppo_trainer.py and

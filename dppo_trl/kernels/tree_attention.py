@@ -25,7 +25,9 @@ grouped-query heads, an optional sliding window (`p > i + L_k - L_q - w`) and an
 - [`tree_attention_sdpa`]: that contract with `torch.nn.functional.scaled_dot_product_attention`, one call per segment
   on its gathered path, so no `[L_q, L_k]` score matrix is ever materialized (flash / memory-efficient backends on
   CUDA, the fused CPU kernel on CPU). Softcap, which SDPA cannot apply, goes through a query-chunked softmax
-  recomputed in backward, whose memory is bounded by a chunk rather than by `L_q * L_k`.
+  recomputed in backward, whose memory is bounded by a chunk rather than by `L_q * L_k`. q, k and v are brought to
+  one dtype first ([`attention_dtype`]), as TRL's FA3 function does: under autocast a layer hands attention q and k
+  in float32 (Qwen3's float32 q/k norm and RoPE) and v in bf16 (the autocast `v_proj`).
 - [`resolve_tree_attention`]: what `AsyncDPPOConfig.tree_attention` means on a device (TRL's kernel where it loads and
   runs, else `tree_attention_sdpa`), with the reason.
 - [`registered_tree_attention`]: registers a function under TRL's name for a `with` block, then restores what was
@@ -44,8 +46,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
+    "LOWER_RIGHT_CHOICES",
     "TREE_ATTENTION_CHOICES",
     "TreeAttentionChoice",
+    "attention_dtype",
     "fa3_unavailable",
     "registered_tree_attention",
     "resolve_tree_attention",
@@ -56,7 +60,13 @@ __all__ = [
 # "eager" is the float32 reference `dppo_trl.backends.cpu.async_cpu.tree_attention_cpu` (O(L^2) memory: debugging).
 TREE_ATTENTION_CHOICES = ("auto", "fa3", "sdpa", "eager")
 
-# Query rows per SDPA call where an explicit mask is needed (sliding window; bottom-right alignment off CUDA): the
+# How `tree_attention_sdpa` aligns a segment below a fork (fewer queries than path rows) bottom-right: "bias" is SDPA's
+# lower-right causal bias (`torch.nn.attention.bias.causal_lower_right`: the flash / memory-efficient kernels on CUDA,
+# no mask built; CPU torch materializes it), "mask" an explicit boolean mask per query chunk. `None` picks "bias" on
+# CUDA and "mask" elsewhere; the CPU tests force each, so neither is reached only on a GPU.
+LOWER_RIGHT_CHOICES = ("bias", "mask")
+
+# Query rows per SDPA call where an explicit mask is needed (sliding window; `lower_right="mask"`): the
 # boolean mask is at most `_MASK_QUERY_CHUNK x (L_k)` instead of `L_q x L_k`.
 _MASK_QUERY_CHUNK = 2048
 # Softcap: score elements (heads x query rows x keys) per chunk of the explicit softmax, 2**25 = 128 MiB in float32.
@@ -85,19 +95,22 @@ def tree_attention_sdpa(
     sliding_window: int | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
+    lower_right: str | None = None,
     mask_query_chunk: int = _MASK_QUERY_CHUNK,
     softcap_chunk_elements: int = _SOFTCAP_CHUNK_ELEMENTS,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Tree attention over a packed row (TRL's `tree_fa3` contract, see the module docstring) with one SDPA call per
-    segment, in the inputs' dtype.
+    segment, in one dtype for q, k and v ([`attention_dtype`]: the autocast dtype under autocast, as TRL's FA3
+    function, else the widest of the three), which is also the output's.
 
     `query` is `(1, heads, N, head_dim)`, `key`/`value` `(1, kv_heads, N, head_dim)` with `heads % kv_heads == 0`.
     Returns `((1, N, heads, head_dim), None)` like transformers' attention functions. The paths' K/V rows are gathered
     once, as TRL's FA3 call gathers them; grouped-query K/V are then repeated per segment (SDPA's own GQA support
     depends on the backend), so the K/V kept for backward are `heads / kv_heads` times those of a GQA-aware kernel.
-    `mask_query_chunk` (query rows per masked SDPA call) and `softcap_chunk_elements` (score elements per softcap
-    chunk) bound the transient memory of those two paths.
+    `lower_right` ("bias" or "mask", `None`: "bias" on CUDA, else "mask"; see `LOWER_RIGHT_CHOICES`) is how segments
+    below a fork are aligned. `mask_query_chunk` (query rows per masked SDPA call) and `softcap_chunk_elements` (score
+    elements per softcap chunk) bound the transient memory of those two paths.
     """
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1:
         raise ValueError(
@@ -119,8 +132,15 @@ def tree_attention_sdpa(
         raise ValueError(f"tree_kv_index has {tree_kv_index.numel()} rows but tree_cu_seqlens_k ends at {cu_k[-1]}.")
     if mask_query_chunk < 1 or softcap_chunk_elements < 1:
         raise ValueError("mask_query_chunk and softcap_chunk_elements must be >= 1.")
+    if lower_right is None:
+        lower_right = "bias" if query.device.type == "cuda" else "mask"
+    if lower_right not in LOWER_RIGHT_CHOICES:
+        raise ValueError(f"lower_right must be one of {LOWER_RIGHT_CHOICES} or None, got {lower_right!r}.")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     window = sliding_window or None
+    # SDPA's lower-right bias dispatches past autocast and refuses mixed dtypes; the other calls would each cast.
+    dtype = attention_dtype(query, key, value)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     # One gather for every path (as TRL's FA3 call does), so the backward is one scatter rather than one per segment.
     kv_index = tree_kv_index.long()
     key_paths, value_paths = key.index_select(2, kv_index), value.index_select(2, kv_index)
@@ -138,20 +158,32 @@ def tree_attention_sdpa(
         if softcap:
             outputs.append(_softcapped_segment(q, k, v, scale, window, softcap, dropout, softcap_chunk_elements))
         else:
-            outputs.append(_sdpa_segment(q, k, v, scale, window, dropout, mask_query_chunk))
+            outputs.append(_sdpa_segment(q, k, v, scale, window, dropout, mask_query_chunk, lower_right))
     out = torch.cat(outputs, dim=2) if outputs else query.new_zeros(query.shape)
     return out.transpose(1, 2), None
 
 
-def _sdpa_segment(q, k, v, scale: float, window: int | None, dropout: float, chunk: int) -> torch.Tensor:
+def attention_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The one dtype tree attention computes q, k and v in: under autocast on the query's device, a float32 query goes
+    to the autocast dtype (TRL's FA3 function, through transformers' `get_target_dtype`); otherwise the widest of the
+    three (SDPA runs float32, so unlike FA3 nothing has to be narrowed: mixed inputs are never rounded down)."""
+    device_type = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+
+
+def _sdpa_segment(
+    q, k, v, scale: float, window: int | None, dropout: float, chunk: int, lower_right: str = "mask"
+) -> torch.Tensor:
     """One segment: `(1, H, L_q, D)` queries over its `(1, H, L_k, D)` path, bottom-right causal."""
     len_q, len_k = q.shape[2], k.shape[2]
     windowed = window is not None and window < len_k
     if not windowed and len_q == len_k:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
-    if not windowed and q.device.type == "cuda":
+    if not windowed and lower_right == "bias":
         # SDPA's `is_causal` is top-left aligned; its lower-right bias runs the flash or memory-efficient kernel with
-        # bottom-right alignment and never builds the mask there.
+        # bottom-right alignment and never builds the mask on CUDA (CPU torch materializes it).
         from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(len_q, len_k)
@@ -185,8 +217,9 @@ def _chunk_keys(r0: int, r1: int, len_q: int, len_k: int, window: int | None, de
 def _softcapped_segment(
     q, k, v, scale: float, window: int | None, softcap: float, dropout: float, chunk_elements: int
 ) -> torch.Tensor:
-    """SDPA has no softcap: an explicit (at least float32) softmax of `softcap * tanh(scores / softcap)`, a chunk of
-    query rows at a time, each recomputed in backward (`torch.utils.checkpoint`), so at most one chunk's scores live."""
+    """SDPA has no softcap: an explicit softmax of `softcap * tanh(scores / softcap)` in float32 at least (autocast
+    off), a chunk of query rows at a time, each recomputed in backward (`torch.utils.checkpoint`), so at most one
+    chunk's scores live."""
     heads, len_q, len_k = q.shape[1], q.shape[2], k.shape[2]
     rows_per_chunk = max(1, min(len_q, chunk_elements // max(1, heads * len_k)))
     chunks = []
@@ -203,12 +236,14 @@ def _softcapped_segment(
 
 def _softcapped_chunk(q, k, v, allowed, scale: float, softcap: float, dropout: float) -> torch.Tensor:
     dtype = torch.promote_types(q.dtype, torch.float32)  # float32 at least (bf16 scores lose the softmax's tail)
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
-    if dropout:
-        probs = F.dropout(probs, p=dropout, training=True)
-    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
+    # Under autocast the matmuls would run in the autocast dtype whatever their inputs are.
+    with torch.autocast(q.device.type, enabled=False):
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        if dropout:
+            probs = F.dropout(probs, p=dropout, training=True)
+        return torch.matmul(probs, v.to(dtype)).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

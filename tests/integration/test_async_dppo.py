@@ -657,6 +657,96 @@ def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
     assert (pi[:, 0] - torch.tensor(server_logps)).abs().max().item() < FRESH_MISMATCH
 
 
+# bf16's unit roundoff: 8 significant bits, so one rounding moves a value by at most 2^-8 of itself.
+U_BF16 = 2.0**-8
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        # AsyncGRPOConfig's default on GPUs: float32 weights, the forward under bf16 autocast.
+        pytest.param({"bf16": True}, id="fp32-weights-bf16-autocast"),
+        pytest.param({"bf16": True, "dtype": "bfloat16"}, id="bf16-weights"),
+    ],
+)
+def test_async_dppo_in_bf16_end_to_end(tmp_path, server_url, precision):
+    """One step in the precision GPUs train in, against the same float32 server: tree attention gets what a Qwen3
+    layer hands it there (under autocast q and k in float32, v in bf16) and runs the lower-right bias below forks, the
+    CUDA default, forced here (on a forked row of its own too, since rollouts need not share a prefix); μ of
+    up-to-date samples equals the trainer's π to what bf16 promises; the weights the trainer sends (bf16 ones
+    included) reach the server exactly.
+
+    |π − μ| of an up-to-date sample: μ is the server's float32 log-prob, π the trainer's from the same weights in bf16.
+    Each logit is rounded to bf16 once at most (≤ u·|z|, u = 2^-8) after hidden states that carry a few roundings of
+    their own, and a log-prob is a difference of a logit and log Z: allowed 8u·max(1, max|z|) (max|z| of the
+    prompt's logits, from a float32 forward; about 8 here): measured 0.056 and 0.028 (autocast, bf16 weights) against
+    bounds of 0.25."""
+    from dppo_trl import AsyncDPPOTrainer
+    from dppo_trl.kernels.tree_attention import TreeAttentionChoice, tree_attention_sdpa
+
+    seen_dtypes, below_fork = set(), []
+
+    def tree_attention_bias(module, query, key, value, *args, **kwargs):
+        seen_dtypes.add((query.dtype, key.dtype, value.dtype))
+        queries, keys = (kwargs[f"tree_cu_seqlens_{side}"].diff() for side in ("q", "k"))
+        below_fork.append(bool((queries < keys).any()))  # a segment the lower-right bias aligns
+        return tree_attention_sdpa(module, query, key, value, *args, lower_right="bias", **kwargs)
+
+    recorder = _Recorder()
+
+    class BiasTreeAttention(_recording_trainer(recorder)):
+        @staticmethod
+        def _resolve_tree_attention(args, on_cpu):
+            return TreeAttentionChoice("sdpa", tree_attention_bias, "the CUDA default alignment, forced")
+
+    assert issubclass(BiasTreeAttention, AsyncDPPOTrainer)
+    args = _config(tmp_path, vllm_server_base_url=server_url, max_steps=1, divergence="binary_tv", **precision)
+    trainer = BiasTreeAttention(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+    )
+    weights = getattr(torch, precision.get("dtype", "float32"))
+    assert next(trainer.model.parameters()).dtype == weights
+    trainer.train()
+    expected = {(torch.float32, torch.float32, torch.bfloat16)} if weights == torch.float32 else {(weights,) * 3}
+    assert seen_dtypes == expected
+    # A step's rollouts need not share a prefix: one more training step on a row that forks, through the model as
+    # `train()` prepared it (its forward under bf16 autocast), runs the lower-right bias below the forks.
+    seen_dtypes.clear()
+    below_fork.clear()
+    trainer.model.zero_grad()
+    trainer.training_step(trainer.model, dict(_batch(trainer, versions=[1, 1, 1])), None)
+    assert seen_dtypes == expected and any(below_fork)
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
+    logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
+    assert len(logs) == 1 and torch.isfinite(torch.tensor(logs[0]["loss"]))
+
+    prompt_ids = trainer.processing_class.apply_chat_template(
+        _dataset()[0]["prompt"], add_generation_prompt=True, return_dict=False
+    )
+    token_ids, server_logps = _server_logps(server_url, prompt_ids, 6)
+    pi = _policy_logps(trainer.model, prompt_ids, token_ids)  # the trained weights, in float32
+    # The weights reach the server exactly (bf16 values are exact in float32): float32 on both sides.
+    assert (pi - torch.tensor(server_logps)).abs().max().item() < FRESH_MISMATCH
+    fresh = torch.cat([(pi_t - mu_t).abs()[s == 0] for pi_t, mu_t, s in recorder.calls if (s == 0).any()])
+    assert fresh.numel(), "no up-to-date sample was trained on"
+    bound = 8 * U_BF16 * max(1.0, _max_logit(trainer.model, prompt_ids))
+    assert fresh.max().item() <= bound
+
+
+def _max_logit(model, prompt_ids: list[int]) -> float:
+    """The largest |logit| of a float32 forward of the prompt with the model's weights (the scale bf16 rounds at)."""
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    fresh.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=True)
+    with torch.no_grad():
+        return fresh(torch.tensor([prompt_ids])).logits.abs().max().item()
+
+
 def test_async_recipe_parses_into_the_config(tmp_path):
     """The GPU recipe's options are all fields of the script's arguments or of AsyncDPPOConfig, and validate."""
     import yaml

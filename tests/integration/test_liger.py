@@ -3,9 +3,12 @@
 TRL ≤ 1.8 routed `compute_loss` to Liger's fused GRPO loss when `use_liger_kernel=True`, which bypassed any
 subclass's loss (and, on TRL releases that still have that route, the MoE aux loss: trl#7009). In TRL 1.16 the flag
 only applies Liger's Triton *layer* kernels (RMSNorm, SwiGLU, RoPE, fused experts) and the loss is always
-`_compute_loss`, where DPPO's trust region is applied and the aux loss added. These tests pin that, refuse the flag
-where Triton cannot run (CPU) and where Liger would bypass LoRA on fused experts (before the model loads), and, on
-CUDA, check that the DPPO gradient and the router aux loss are unchanged with Liger's layer kernels applied.
+`_compute_loss`, where DPPO's trust region is applied and the aux loss added. transformers applies those kernels in
+`Trainer.train()` (`apply_liger_kernel(self.model, self.args.liger_kernel_config)`, pinned in tests/trl_contract.py),
+not when the trainer is built. These tests pin that, refuse the flag where Triton cannot run (CPU) and where Liger
+would bypass LoRA on fused experts (before the model loads), check on CPU what `train()` would apply, and, on CUDA,
+apply Liger exactly as `train()` does and compare the DPPO gradient and the router aux loss with Liger on against the
+same model with Liger off.
 """
 
 import inspect
@@ -110,9 +113,8 @@ def test_liger_keeps_the_moe_router_aux_loss(tiny_moe_model_dir, tmp_path, monke
     assert trainer.aux_loss_enabled
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model.train()
-    inputs, *_ = _crafted_batch(model.cpu(), torch.Generator().manual_seed(0))
-    model.cuda()
-    inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    assert all(p.is_cuda for p in model.parameters())
+    inputs, *_ = _crafted_batch(model, torch.Generator().manual_seed(0))
 
     def aux_loss() -> float:
         trainer._metrics["train"]["aux_loss"].clear()
@@ -128,20 +130,79 @@ def test_liger_keeps_the_moe_router_aux_loss(tiny_moe_model_dir, tmp_path, monke
     assert abs(after - before) <= 1e-3 * before
 
 
-@pytest.mark.gpu
-def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
-    pytest.importorskip("liger_kernel")
-    from references import dppo_per_token_loss
-    from test_loss_gradient import ADVANTAGES, PROMPT_LEN, _crafted_batch
-    from trainer_setup import ascii_reward, prompt_dataset
+def test_train_would_apply_the_layer_kernels_without_the_fused_cross_entropy(tiny_model_dir, tmp_path):
+    """What `Trainer.train()` applies, checked where Triton cannot run: the function it calls is transformers'
+    `apply_liger_kernel` (the one the CUDA test below calls), with `args.liger_kernel_config`, which GRPOTrainer's
+    `__init__` has set, before DPPOTrainer's refusal, to keep Liger's fused linear cross-entropy off (it would replace
+    the model's forward and drop TRL's fused LM head). Nothing is applied when the trainer is built."""
+    import transformers.trainer
+    from trainer_setup import prompt_dataset, small_config
+    from transformers.integrations.liger import apply_liger_kernel
 
     from dppo_dev.tiny_models import build_byte_tokenizer
     from dppo_trl import DPPOTrainer
-    from dppo_trl.core.functional import compute_divergence, trust_region_mask
+
+    assert transformers.trainer.apply_liger_kernel is apply_liger_kernel
+    args = small_config(tmp_path, use_liger_kernel=True)
+    assert args.liger_kernel_config is None
+    with pytest.raises(ValueError, match="use_liger_kernel=True applies Liger's Triton layer kernels"):
+        DPPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=prompt_dataset(),
+            processing_class=build_byte_tokenizer(),
+        )
+    assert args.liger_kernel_config == {"fused_linear_cross_entropy": False}
+
+
+def _liger_layers(model) -> dict[str, list]:
+    """The modules Liger 0.8.5 patches on a Qwen3 instance (`_apply_liger_kernel_to_instance`): the decoder's RMSNorms
+    and MLPs get Liger's `forward` bound on the instance."""
+    base = model.model
+    norms = [base.norm] + [m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return {"rms_norm": norms, "swiglu": [layer.mlp for layer in base.layers]}
+
+
+def _bound_forward(module):
+    """The function bound as `forward` on the instance itself (how Liger patches an existing module), or None."""
+    return getattr(module.__dict__.get("forward"), "__func__", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "weights, tolerance",
+    [
+        # float32: Triton's kernels round in another order than PyTorch's, a few float32 ulps per op through two
+        # layers; allowed 1e-4 of each parameter gradient's norm.
+        pytest.param("float32", 1e-4, id="fp32-weights"),
+        # bf16: both paths round to bf16 after every op, at different points (Liger's RMSNorm rounds once after a
+        # float32 computation): a few u = 2^-8 per parameter gradient, as tests/integration/test_loss_gradient.py's bf16
+        # lanes measure against float64 (≤ 4.8u); allowed 16u.
+        pytest.param("bfloat16", 16 * 2.0**-8, id="bf16-weights"),
+    ],
+)
+def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path, weights, tolerance):
+    """Liger applied the way `Trainer.train()` applies it, on CUDA throughout: its RMSNorm, SwiGLU and RoPE are in
+    place, and DPPO's gradient through GRPOTrainer's real loss (the crafted batch of tests/integration/test_loss_gradient.py,
+    every regime of eq. 12) equals the same model's with Liger off, within the stated tolerance; the trust-region
+    mask is the same. Liger's class-level patches of transformers' Qwen3 module are put back afterwards."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from test_loss_gradient import _crafted_batch
+    from trainer_setup import ascii_reward, prompt_dataset
+    from transformers.integrations.liger import apply_liger_kernel
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from dppo_dev.tiny_models import build_byte_tokenizer
+    from dppo_trl import DPPOTrainer
 
     args = DPPOConfig(
         output_dir=str(tmp_path),
-        bf16=False,
+        bf16=weights == "bfloat16",
+        model_init_kwargs={"dtype": weights},
         report_to="none",
         save_strategy="no",
         use_liger_kernel=True,
@@ -161,22 +222,37 @@ def test_liger_layer_kernels_keep_the_dppo_gradient(tiny_model_dir, tmp_path):
     )
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model.train()
-    inputs, ids, attn, mu, valid = _crafted_batch(model.cpu(), torch.Generator().manual_seed(0))
-    model.cuda()
-    inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
-    model.zero_grad()
-    trainer._compute_loss(model, inputs).backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    logits = model(input_ids=ids.cuda(), attention_mask=attn.cuda()).logits[:, PROMPT_LEN - 1 : -1]
-    pi = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-    adv, mu, valid = ADVANTAGES.cuda().unsqueeze(1), mu.cuda(), valid.cuda()
-    keep = (
-        trust_region_mask(pi.detach(), mu, adv, compute_divergence("binary_tv", pi.detach(), mu), 0.02, 0.001) * valid
-    )
-    mask = inputs["completion_mask"].float()
-    ((dppo_per_token_loss(pi, mu, adv, keep, 2.0) * mask).sum() / mask.sum()).backward()
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            scale = param.grad.abs().max().item()
-            assert (got[name] - param.grad).abs().max().item() <= 1e-3 * scale + 1e-7, name
+    assert all(p.is_cuda for p in model.parameters()) and next(model.parameters()).dtype == getattr(torch, weights)
+    inputs, *_ = _crafted_batch(model, torch.Generator().manual_seed(0))
+    masks = []
+    trainer.trust_region_observers.append(lambda record: masks.append(record["keep"]))
+
+    def dppo_gradient() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        trainer._compute_loss(model, inputs).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = dppo_gradient()
+    patched_globals = {
+        name: getattr(modeling_qwen3, name) for name in ("apply_rotary_pos_emb", "Qwen3RMSNorm", "Qwen3MLP")
+    }
+    try:
+        # What `Trainer.train()` does first (tests/trl_contract.py, LIGER_APPLY_FRAGMENT).
+        apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)
+        layers = _liger_layers(model)
+        assert all(_bound_forward(m) is LigerRMSNorm.forward for m in layers["rms_norm"]), layers["rms_norm"]
+        assert all(_bound_forward(m) is LigerSwiGLUMLP.forward for m in layers["swiglu"]), layers["swiglu"]
+        assert modeling_qwen3.apply_rotary_pos_emb is liger_rotary_pos_emb
+        # TRL's config kept Liger's fused linear cross-entropy off: the forward (TRL's fused head's) is not Liger's.
+        assert not model.forward.__func__.__module__.startswith("liger_kernel")
+        assert all(p.is_cuda for p in model.parameters())
+        with_liger = dppo_gradient()
+    finally:
+        for name, value in patched_globals.items():
+            setattr(modeling_qwen3, name, value)
+    assert len(masks) == 2 and torch.equal(masks[0], masks[1])
+    assert (masks[0] == 0).any() and (masks[0] == 1).any()
+    assert set(with_liger) == set(plain)
+    for name, grad in plain.items():
+        error = (with_liger[name].double() - grad.double()).norm() / grad.double().norm()
+        assert error <= tolerance, (name, error.item())

@@ -124,6 +124,7 @@ DECISIONS = {
     "scripts/gpu_wheels.sh [DIR] [--python 3.12]": CannotRun(
         "downloads the GPU machine's wheels from PyPI (network); tests/system/test_gpu_check.py checks the script offline"
     ),
+    "scripts/gpu_wheels.sh --refresh DIR": Covered("tests/system/test_gpu_check.py"),
     "scripts/gpu_check.sh OUT_DIR": CannotRun("GPU-only: installs the wheels and runs the CUDA checks"),
     "scripts/gpu_check.sh --dry-run OUT_DIR": Covered("tests/system/test_gpu_check.py"),
     # docs/results.md

@@ -1,6 +1,7 @@
 """Contract tests: the TRL internals listed in `tests/trl_contract.py` still look the way DPPOTrainer expects."""
 
 import dataclasses
+import importlib
 import inspect
 import re
 
@@ -265,6 +266,10 @@ def test_liger_errors_and_kernels_are_where_dppo_expects_them():
         assert fragment in init, f"GRPOTrainer.__init__ changed: missing {fragment!r}"
     assert trl_contract.LIGER_APPLY_FRAGMENT in inspect.getsource(Trainer.train)
     assert trl_contract.LIGER_APPLY_FRAGMENT not in inspect.getsource(Trainer.__init__)
+    import transformers.trainer
+
+    module, _, name = trl_contract.LIGER_APPLY_FUNCTION.rpartition(".")
+    assert transformers.trainer.apply_liger_kernel is getattr(importlib.import_module(module), name)
 
 
 def test_get_off_policy_mask_called_on_the_class_is_trls():

@@ -2,9 +2,10 @@
 
 No GPU and no PyPI here. The dry run installs the dppo-trl wheel the way the real run installs every wheel (pip
 --target, PYTHONPATH, PYTHON a virtual environment holding torch, as the lent GPU image's python3 is) and checks every
-command the real run would run; a copy of this checkout with the defects issue 32 found put back shows the dry run
-failing on each class. The wheel build runs from a bare Python and matches setuptools' wheel. The dependencies'
-wheels (PyPI) and the real run (a GPU) are not exercised here.
+command the real run would run; copies of this checkout with the defects issues 32 and 38 found put back show the dry
+run failing on each class (a stale dppo-trl wheel, a gpu-marked test file importing what the GPU machine lacks, a run
+killed midway keeping its report among them). The wheel build runs from a bare Python and matches setuptools' wheel.
+The dependencies' wheels (PyPI) and the real run (a GPU) are not exercised here.
 """
 
 import ast
@@ -166,12 +167,12 @@ def test_dry_run_installs_and_checks_like_the_real_run(good_run, wheel_folder):
     proc, report = good_run
     steps = report["steps"]
     assert report["dry_run"] is True
-    expected = {"gpu_tests_select", "wheels", "scripts_parse", "python_compiles", "wheel_build", "machine", "install"}
-    expected |= {"imports", "gpu_tests_collect", "topk_memory_cli", "gpu_train_cli", "gpu_train_fails"}
-    assert set(steps) == expected
+    expected = {"gpu_tests_select", "wheels", "scripts_parse", "python_compiles", "wheel_build", "wheel_fresh"}
+    expected |= {"machine", "install", "imports", "gpu_tests_collect", "topk_memory_cli", "gpu_train_cli"}
+    assert set(steps) == expected | {"gpu_train_fails"}
     for name, result in steps.items():
         assert result["rc"] == 0, (name, result)
-    assert proc.returncode == 0 and report["ok"] is True, proc.stderr[-3000:]
+    assert proc.returncode == 0 and report["ok"] is True and report["finished"] is True, proc.stderr[-3000:]
     # Installed with --target and run with PYTHONPATH: the package from the wheel, torch and TRL from the machine.
     imports = steps["imports"]["output"]
     assert imports["dppo_trl"]["from"] == "wheels" and imports["torch"]["from"] == "machine"
@@ -212,7 +213,7 @@ def test_dry_run_reports_a_missing_wheel_folder(dry_run):
     proc, report, result = dry_run
     assert proc.returncode == 1
     assert report["ok"] is False and report["steps"]["wheels"]["rc"] == 2
-    assert not {"install", "imports", "gpu_tests_collect"} & set(report["steps"])
+    assert not {"wheel_fresh", "install", "imports", "gpu_tests_collect"} & set(report["steps"])
     log = (result / "gpu_check.log").read_text()
     assert "no wheel folder" in log and "build it with `scripts/gpu_wheels.sh" in log
     assert "skipping the steps that need the installed wheels" in log
@@ -229,6 +230,7 @@ def test_real_run_without_cuda_stops_before_installing(tmp_path, wheel_folder, v
     assert proc.returncode == 1 and report["dry_run"] is False and report["ok"] is False
     steps = report["steps"]
     assert steps["cuda"]["rc"] != 0 and steps["gpu_tests_select"]["rc"] == 0 and steps["wheels"]["rc"] == 0
+    assert steps["wheel_fresh"]["rc"] == 0
     assert not {"machine", "install", "imports", "gpu_tests", "topk_memory", "gpu_train"} & set(steps)
     assert "no CUDA device" in (tmp_path / "gpu_check.log").read_text()
 
@@ -248,11 +250,7 @@ def defects_run(tmp_path_factory, wheel_folder, derived_venv_python):
     dppo-trl wheel is built with `pip wheel --no-build-isolation` (the old scripts/gpu_wheels.sh); gpu_train.py exits
     0 whatever its runs did. Each step checks one class, so one run shows every class caught.
     """
-    copy = tmp_path_factory.mktemp("defects") / "repo"
-    ignore = shutil.ignore_patterns(
-        ".git", ".venv", "__pycache__", "*.egg-info", "build", "outputs", "runs", ".*cache"
-    )
-    shutil.copytree(ROOT, copy, ignore=ignore)
+    copy = _copy_checkout(tmp_path_factory, "defects")
     for file in _gpu_marked_test_files():
         _replace(copy / file, "@pytest.mark.gpu\n", "")
     _replace(
@@ -295,6 +293,103 @@ def test_dry_run_fails_when_the_wheel_build_needs_setuptools(defects_run, derive
         pytest.skip("this base interpreter's setuptools has bdist_wheel, so the old build does not fail here")
     _, report, log = defects_run
     assert report["steps"]["wheel_build"]["rc"] != 0
+
+
+def _copy_checkout(tmp_path_factory, name: str) -> Path:
+    copy = tmp_path_factory.mktemp(name) / "repo"
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv*", "__pycache__", "*.egg-info", "build", "outputs", "runs", ".*cache", ".gpu_wheels"
+    )
+    shutil.copytree(ROOT, copy, ignore=ignore)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory, wheel_folder, venv_python):
+    """The dry run of a copy of this checkout with the defects of issue 38 put back, with a PYTHON that has torch.
+
+    Put back: a package file changed after the wheel folder was built (the dppo-trl wheel, always `dppo_trl-0.2.0`,
+    then holds old code); `tests/unit/test_tree_attention.py` importing the CPU backend at module level (it imports
+    `requests`, which neither the wheel list nor the GPU machine provides); the run killed (SIGKILL, as when the
+    machine's per-command limit ends it) right after the collection step.
+    """
+    copy = _copy_checkout(tmp_path_factory, "stale")
+    with open(copy / "dppo_trl" / "kernels" / "tree_attention.py", "a", encoding="utf-8") as f:
+        f.write("# a change made after the wheel folder was built\n")
+    _replace(
+        copy / "tests" / "unit" / "test_tree_attention.py",
+        "from references import tree_attention_per_query\n",
+        "from references import tree_attention_per_query\n\nfrom dppo_trl.backends.cpu.async_cpu import tree_attention_cpu\n",
+    )
+    _replace(
+        copy / "scripts" / "gpu_check.sh",
+        "    step topk_memory_cli 120",
+        "    kill -KILL $$\n    step topk_memory_cli 120",
+    )
+    out = tmp_path_factory.mktemp("gpu_check_stale") / "result"
+    proc, report = _dry_run(copy, out, venv_python, wheel_folder)
+    return proc, report, (out / "gpu_check.log").read_text()
+
+
+def test_dry_run_refuses_a_stale_dppo_trl_wheel_naming_the_fix(stale_run):
+    _, report, log = stale_run
+    assert report["steps"]["wheels"]["rc"] == 0  # the folder matches its manifest: only the checkout moved on
+    assert report["steps"]["wheel_fresh"]["rc"] == 1
+    assert "differs: dppo_trl/kernels/tree_attention.py" in log
+    assert "scripts/gpu_wheels.sh --refresh" in log
+
+
+def test_dry_run_refuses_a_gpu_test_import_the_machine_lacks(stale_run):
+    _, report, log = stale_run
+    assert report["steps"]["install"]["rc"] == 0 and report["steps"]["imports"]["rc"] == 0
+    assert report["steps"]["gpu_tests_collect"]["rc"] != 0
+    assert "requests (imported by dppo_trl/backends/cpu/async_cpu.py of the installed dppo-trl wheel)" in log
+    assert "tests/unit/test_tree_attention.py::test_" not in log  # its gpu tests did not collect
+    assert "output lacks 'tests/unit/test_tree_attention.py::'" in log
+
+
+def test_a_killed_run_keeps_the_report_of_the_steps_it_ran(stale_run):
+    proc, report, _ = stale_run
+    assert proc.returncode == -9  # SIGKILL, after the collection step
+    assert report["finished"] is False and report["ok"] is False
+    assert {"wheels", "wheel_fresh", "install", "imports", "gpu_tests_collect"} <= set(report["steps"])
+    assert "topk_memory_cli" not in report["steps"]
+    assert all(isinstance(step["seconds"], int) for step in report["steps"].values())
+
+
+def test_fresh_compares_the_wheel_with_the_checkout_and_refresh_rebuilds_only_it(tmp_path, capsys):
+    """`gpu_manifest.py fresh` on a wheel built from an older state of the package (one file changed, one added
+    since, one removed since), then `scripts/gpu_wheels.sh --refresh DIR`, which replaces only the dppo-trl wheel (the
+    downloaded ones need PyPI again) and rewrites the manifest, without network."""
+    older = tmp_path / "older"
+    shutil.copytree(ROOT / "dppo_trl", older / "dppo_trl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "setup.cfg", older / "setup.cfg")
+    (older / "dppo_trl" / "kernels" / "tree_attention.py").write_text("# before the change\n")
+    (older / "dppo_trl" / "kernels" / "engine_view.py").unlink()
+    (older / "dppo_trl" / "kernels" / "removed_since.py").write_text("")
+    folder = tmp_path / "wheels"
+    assert gpu_manifest.main(["wheel", str(folder), "--root", str(older)]) == 0
+    other = _wheel(folder, "trl", "1.16.0", [])
+    assert gpu_manifest.main(["write", str(folder), "--python", "3.12"]) == 0
+    assert gpu_manifest.main(["fresh", str(folder), "--root", str(older)]) == 0
+    capsys.readouterr()
+    assert gpu_manifest.main(["fresh", str(folder)]) == 1  # against this checkout
+    err = capsys.readouterr().err
+    for difference in (
+        "missing dppo_trl/kernels/engine_view.py",
+        "not in the checkout: dppo_trl/kernels/removed_since.py",
+        "differs: dppo_trl/kernels/tree_attention.py",
+        f"`scripts/gpu_wheels.sh --refresh {folder}`",
+    ):
+        assert difference in err
+    before = other.read_bytes()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHON": sys.executable}
+    subprocess.run(
+        ["bash", "scripts/gpu_wheels.sh", "--refresh", str(folder)], cwd=ROOT, env=env, check=True, timeout=300
+    )
+    assert gpu_manifest.main(["fresh", str(folder)]) == 0
+    assert gpu_manifest.main(["check", str(folder), "--python", "3.12"]) == 0
+    assert other.read_bytes() == before and len(list(folder.glob("*.whl"))) == 2
 
 
 def _record(wheel: Path) -> list[str]:

@@ -502,3 +502,55 @@ def test_logps_at_ids_with_grad_is_the_full_softmax_with_its_gradient(transform)
         kept_log_mass(ours(hidden, weight.detach(), bias.detach()), kept).sum(), hidden
     )
     assert torch.allclose(hidden_only, ref_grads[0], atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16-weights", "fp32-weights-autocast"]
+)
+def test_logps_at_ids_with_grad_in_bf16(dtype, autocast):
+    """The kept set's differentiable gather in the precision users train in, against float64 on the very inputs: it
+    upcasts bf16 inputs and turns autocast off, so its log-probs are a float32 computation (≤ ATOL, given the same
+    anchor) and autocast changes nothing (float32 rounding: 1e-5 of each gradient's norm).
+
+    With bf16 inputs, each input's gradient is the sum of two parts autograd adds in bf16: the gather's (accumulated
+    in float32, rounded once) and the anchor's (log π(y)'s gradient times Σ_k ∂L/∂log π(k), rounded once). For a
+    kept set's log-mass they nearly cancel (each is ~17x their sum here), so the error is bounded by bf16's unit
+    roundoff u = 2^-8 of the parts, not of the sum: ≤ u·(|gather part| + |anchor part| + |sum|), measured 0.3 of that.
+    The trainer's bf16 gradient of the kept-set correction carries the same error (TRL's head returns the anchor's
+    gradient in bf16)."""
+    from dppo_trl.core.functional import kept_log_mass
+    from dppo_trl.kernels.topk_logps import logps_at_ids_with_grad
+
+    transform = TRANSFORMS["scale_softcap"]
+    hidden, weight, b = make_inputs(dtype, bias=True, requires_grad=True)
+    ids = make_ids(hidden, weight, b, transform)
+    kept = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)) < 0.7) & (ids >= 0)
+    sampled = ids[:, 0].clamp(min=0)
+
+    def full_logps(h, w, bb):
+        return torch.log_softmax(transform(h @ w.t() + bb), -1)
+
+    anchor = full_logps(hidden.float(), weight.float(), b.float()).gather(1, sampled[:, None]).squeeze(1)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        got = logps_at_ids_with_grad(hidden, weight, ids, sampled, anchor, bias=b, transform=transform, chunk_size=16)
+    exact = [t.detach().double().requires_grad_() for t in (hidden, weight, b)]
+    full = full_logps(*exact)
+    want = full.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf)
+    assert got.dtype == torch.float32 and torch.equal(got.isinf(), ids < 0)
+    torch.testing.assert_close(got[ids >= 0].double(), want[ids >= 0].detach(), atol=ATOL, rtol=0)
+    grads = torch.autograd.grad(kept_log_mass(got, kept).sum(), (hidden, weight, b))
+    loss = kept_log_mass(want, kept).sum()
+    expected = torch.autograd.grad(loss, exact, retain_graph=True)
+    # The anchor's part in float64: ∂L/∂log π(y) = Σ_k ∂L/∂log π(k) over the listed ids, times ∇ log π(y).
+    (per_id,) = torch.autograd.grad(loss, want, retain_graph=True)
+    anchor_parts = torch.autograd.grad(
+        full.gather(1, sampled[:, None]).squeeze(1), exact, per_id.masked_fill(ids < 0, 0.0).sum(1)
+    )
+    for grad, reference, anchor_part, given in zip(grads, expected, anchor_parts, (hidden, weight, b), strict=True):
+        assert grad.dtype == given.dtype
+        error = (grad.double() - reference).norm().item()
+        if dtype == torch.bfloat16:
+            parts = anchor_part.norm() + (reference - anchor_part).norm() + reference.norm()
+            assert error <= 2.0**-8 * parts.item(), error / parts.item()
+        else:
+            assert error <= 1e-5 * reference.norm().item()

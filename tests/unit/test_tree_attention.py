@@ -1,5 +1,6 @@
 """`dppo_trl.kernels.tree_attention`: the SDPA tree attention against a literal per-query softmax and the float32
-plain-PyTorch function, its registration, and the choice "auto" makes when TRL's FA3 kernel cannot load.
+plain-PyTorch function, every branch in the dtypes models hand attention (bf16 weights, float32 weights under bf16
+autocast), its registration, and the choice "auto" makes when TRL's FA3 kernel cannot load.
 
 Rows are packed by TRL's own `TreeRow`, so the segment tables are the ones the trainer sees.
 """
@@ -15,10 +16,10 @@ import pytest
 import torch
 from references import tree_attention_per_query
 
-from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
 from dppo_trl.kernels.tree_attention import (
     FA3_FIX,
     TREE_ATTENTION_CHOICES,
+    attention_dtype,
     registered_tree_attention,
     resolve_tree_attention,
     tree_attention_sdpa,
@@ -78,6 +79,15 @@ def _qkv(n_tokens: int, heads: int, kv_heads: int, dtype=torch.float64, dim: int
     )
 
 
+def _tree_attention_cpu():
+    """The float32 plain-PyTorch function (`tree_attention="eager"`), imported by the CPU tests that use it: its module,
+    the CPU backend, imports `requests`, which neither the GPU check's wheel folder nor its machine provides, and the
+    gpu-marked tests of this file must collect there."""
+    from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
+
+    return tree_attention_cpu
+
+
 def _grads(out: torch.Tensor, inputs, weights: torch.Tensor):
     return torch.autograd.grad((out * weights).sum(), inputs)
 
@@ -117,7 +127,7 @@ def test_sdpa_equals_the_float32_plain_pytorch_function(sequences, kv_heads, win
     q, k, v = _qkv(len(packed["input_ids"]), 4, kv_heads, dtype=torch.float32)
     options = {"sliding_window": window, "softcap": softcap, **_tables(packed)}
     ours, _ = tree_attention_sdpa(None, q, k, v, None, **options)
-    reference, _ = tree_attention_cpu(None, q, k, v, None, **options)
+    reference, _ = _tree_attention_cpu()(None, q, k, v, None, **options)
     assert ours.dtype == reference.dtype == torch.float32
     torch.testing.assert_close(ours, reference, atol=2e-6, rtol=1e-5)
     weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
@@ -143,13 +153,118 @@ def test_long_segments_go_through_the_query_chunks():
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
-def test_bf16_stays_bf16_and_close_to_float32():
-    packed, _ = _pack(MULTI_TURN)
-    q, k, v = _qkv(len(packed["input_ids"]), 4, 2, dtype=torch.float32, dim=16)
-    ours, _ = tree_attention_sdpa(None, *(t.detach().bfloat16() for t in (q, k, v)), None, **_tables(packed))
-    reference, _ = tree_attention_cpu(None, q, k, v, None, **_tables(packed))
-    assert ours.dtype == torch.bfloat16
-    torch.testing.assert_close(ours.float(), reference.detach(), atol=3e-2, rtol=3e-2)
+# ---------------------------------------------------------------------------------------------------------------------
+# Precision as models run it: the dtypes a Qwen3 layer hands attention, with and without autocast, on every branch
+# ---------------------------------------------------------------------------------------------------------------------
+
+BF16, FP32 = torch.bfloat16, torch.float32
+# bf16's unit roundoff: 8 significant bits, so one rounding moves a value by at most 2^-8 of itself.
+U_BF16 = 2.0**-8
+# (q, k, v) dtypes and autocast, as a Qwen3 layer's training forward (`use_cache=False`) hands them to attention:
+# float32 weights under bf16 autocast (AsyncGRPOConfig's default: dtype="float32", bf16=True) give q and k in float32
+# (out of the float32 q/k RMSNorm and RoPE) and v in bf16 (out of the autocast `v_proj`); bf16 weights give bf16.
+PRECISIONS = [
+    pytest.param((FP32, FP32, FP32), False, id="fp32"),
+    pytest.param((FP32, FP32, BF16), True, id="fp32-weights-bf16-autocast"),
+    pytest.param((BF16, BF16, BF16), False, id="bf16-weights"),
+    pytest.param((BF16, BF16, BF16), True, id="bf16-weights-bf16-autocast"),
+]
+# Every branch of `tree_attention_sdpa` on a multi-turn tree (a root segment, segments below forks):
+# (lower_right, sliding window, softcap) and the SDPA calls each makes (the softcap path makes none).
+BRANCHES = [
+    pytest.param("bias", None, None, {"is_causal", "lower_right_bias"}, id="lower-right-bias"),
+    pytest.param("mask", None, None, {"is_causal", "bool_mask"}, id="lower-right-mask"),
+    pytest.param(None, 3, None, {"is_causal", "bool_mask"}, id="window-mask"),
+    pytest.param(None, None, 2.0, set(), id="softcap"),
+]
+
+
+class _SDPACalls(torch.overrides.TorchFunctionMode):
+    """Records the kind of each SDPA call made inside the `with` block and the dtypes it was given (a function mode
+    sees the call before SDPA's lower-right bias dispatches it, and replaces nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            from torch.nn.attention.bias import CausalBias
+
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            if isinstance(mask, CausalBias):
+                kind = "lower_right_bias"
+            else:
+                kind = "bool_mask" if mask is not None else "is_causal" if kwargs.get("is_causal") else "unmasked"
+            self.calls.append((kind, tuple(t.dtype for t in args[:3])))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lower_right, window, softcap, sdpa_kinds", BRANCHES)
+@pytest.mark.parametrize("dtypes, autocast", PRECISIONS)
+def test_every_branch_in_the_dtypes_a_qwen3_layer_produces(dtypes, autocast, lower_right, window, softcap, sdpa_kinds):
+    """Values and gradients against the float64 per-query reference evaluated at the very inputs given (so rounding
+    the inputs to bf16 under autocast counts as error), on every branch, with the dtypes models hand attention.
+
+    Before q, k and v were brought to one dtype, the lower-right bias with float32 q, k and bf16 v under bf16 autocast
+    raised "Expected query, key, and value to have the same dtype" (the bias dispatches past autocast): on CUDA, where
+    it is the default, every segment below a fork in the first async step. Forced here, it runs on CPU.
+
+    Tolerances, relative to the reference's largest entry, in u = 2^-8 (bf16's unit roundoff). In bf16 each input and
+    the output are rounded once (u each), and rounding q and k moves a score `q.k * scale` by at most 2u of `|q||k|
+    scale` (a few units here), which the softmax turns into at most that relative change of each weight of the convex
+    combination of v rows: a first-order budget of a few u of max|v|. The backward runs in bf16 as well and rounds
+    twice as often. Measured (head dims 8 to 64, three seeds): at most 3.3u for values and 4.2u for gradients. The
+    check allows 8u and 16u. float32 (no autocast): float32 rounding, 1e-5.
+    """
+    packed, positions = _pack(MULTI_TURN)
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1, heads, len(packed["input_ids"]), 16) for heads in (4, 2, 2)]
+    inputs = [
+        (torch.randn(shape, generator=generator) * 1.5).to(dtype).requires_grad_()
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
+    exact = [t.detach().double().requires_grad_() for t in inputs]  # the inputs' own values, in float64
+    options = {"sliding_window": window, "softcap": softcap}
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast), _SDPACalls() as sdpa:
+        ours, _ = tree_attention_sdpa(
+            None, *inputs, None, **_tables(packed), scaling=0.3, lower_right=lower_right, **options
+        )
+    expected = tree_attention_per_query(*exact, positions, scale=0.3, **options)
+
+    low_precision = autocast or BF16 in dtypes
+    assert ours.dtype == (BF16 if low_precision else FP32)
+    assert {kind for kind, _ in sdpa.calls} == sdpa_kinds
+    assert all(len(set(call_dtypes)) == 1 for _, call_dtypes in sdpa.calls), sdpa.calls  # one dtype per call
+    tolerance = 8 * U_BF16 if low_precision else 1e-5
+    scale = expected.abs().max().item()
+    assert (ours.double() - expected).abs().max().item() <= tolerance * scale
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((ours.double() * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), exact)
+    for name, grad, want, given in zip("qkv", grads, expected_grads, inputs, strict=True):
+        assert grad.dtype == given.dtype, name  # the gradient comes back in each input's own dtype
+        error = (grad.double() - want).abs().max().item()
+        assert error <= 2 * tolerance * want.abs().max().item(), (name, error / U_BF16)
+
+
+def test_attention_dtype_follows_trls_target_dtype():
+    """Under autocast a float32 query goes to the autocast dtype, as TRL's FA3 function casts (transformers'
+    `get_target_dtype`); without autocast the widest of the three, so mixed inputs are never rounded down."""
+    q32, v16 = torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8, dtype=BF16)
+    assert attention_dtype(q32, q32, v16) == FP32
+    assert attention_dtype(v16, v16, v16) == BF16
+    assert attention_dtype(v16, v16, q32) == FP32
+    assert attention_dtype(q32.double(), q32, v16) == torch.float64
+    with torch.autocast("cpu", torch.bfloat16):
+        assert attention_dtype(q32, q32, v16) == BF16
+        assert attention_dtype(q32, q32, q32) == BF16
+        assert attention_dtype(v16, v16, v16) == BF16
+    with pytest.raises(ValueError, match="lower_right must be one of"):
+        packed, _ = _pack(SHARED_PREFIX)
+        q, k, v = _qkv(len(packed["input_ids"]), 4, 4)
+        tree_attention_sdpa(None, q, k, v, None, **_tables(packed), lower_right="top-left")
 
 
 def test_bad_tables_are_refused_with_the_reason():
@@ -169,26 +284,6 @@ def test_bad_tables_are_refused_with_the_reason():
     }
     with pytest.raises(ValueError, match="queries but a path of only 1 K/V rows"):
         tree_attention_sdpa(None, q, k, v, None, **dict(tables, **one_row_paths))
-
-
-def test_the_lower_right_bias_cuda_uses_is_bottom_right_alignment():
-    """On CUDA a segment below a fork goes through SDPA's lower-right causal bias, whose kernels run only there; on CPU
-    torch materializes that bias, which must be the alignment of the explicit masks the CPU path builds."""
-    import warnings
-
-    from torch.nn.attention.bias import causal_lower_right
-
-    from dppo_trl.kernels.tree_attention import _sdpa_segment
-
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (5, 9, 9))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "flash/efficient attention cannot be used" on CPU
-        biased = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(5, 9), scale=0.3
-        )
-    explicit = _sdpa_segment(q, k, v, 0.3, None, 0.0, chunk=2)
-    torch.testing.assert_close(biased, explicit, atol=1e-12, rtol=1e-10)
 
 
 def test_registration_is_scoped_and_restores_trls():
@@ -213,7 +308,7 @@ def test_registration_is_scoped_and_restores_trls():
 def test_explicit_choices_and_cpu():
     cpu = torch.device("cpu")
     assert resolve_tree_attention("sdpa", cpu).function is tree_attention_sdpa
-    assert resolve_tree_attention("eager", cpu).function is tree_attention_cpu
+    assert resolve_tree_attention("eager", cpu).function is _tree_attention_cpu()
     auto = resolve_tree_attention("auto", cpu)
     assert (auto.name, auto.function) == ("sdpa", tree_attention_sdpa)
     assert "needs a CUDA device" in auto.reason
@@ -272,29 +367,37 @@ def test_config_refuses_an_unknown_choice(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# CUDA (skipped without a device): the lower-right causal bias only runs there
+# CUDA (skipped without a device): SDPA's flash / memory-efficient kernels, where the lower-right bias is the default
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtypes, autocast", PRECISIONS)
 @pytest.mark.parametrize("sequences, kv_heads, window, softcap", CASES)
-def test_cuda_trees_match_the_per_query_softmax(sequences, kv_heads, window, softcap, dtype, atol):
-    """Every tree case of the CPU tests on CUDA (SDPA's flash / memory-efficient kernels, the lower-right bias), against
-    the float64 per-query reference on the CPU."""
+def test_cuda_trees_match_the_per_query_softmax(sequences, kv_heads, window, softcap, dtypes, autocast):
+    """Every tree case of the CPU tests on CUDA with the device's default branches (the lower-right bias below forks),
+    in the dtypes a Qwen3 layer hands attention with and without bf16 autocast, against the float64 per-query
+    reference of the very inputs given. bf16 tolerances: the CPU test's budget (see
+    `test_every_branch_in_the_dtypes_a_qwen3_layer_produces`) plus one rounding of the probabilities, which the flash
+    kernel multiplies with v in bf16: 12u of max|reference| for values, 24u for gradients; float32: 1e-4 (the
+    memory-efficient kernel's float32 accumulation over head dim 64)."""
     packed, positions = _pack(sequences)
     q, k, v = _qkv(len(packed["input_ids"]), 4, kv_heads, dim=64)
+    on_cuda = [t.detach().to("cuda", dtype).requires_grad_() for t, dtype in zip((q, k, v), dtypes, strict=True)]
+    exact = [t.detach().cpu().double().requires_grad_() for t in on_cuda]
     options = {"sliding_window": window, "softcap": softcap}
-    expected = tree_attention_per_query(q, k, v, positions, **options)
+    expected = tree_attention_per_query(*exact, positions, **options)
     weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    expected_grads = _grads(expected, (q, k, v), weights)
-    on_cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    expected_grads = _grads(expected, exact, weights)
     tables = {key: value.cuda() for key, value in _tables(packed).items()}
-    ours, _ = tree_attention_sdpa(None, *on_cuda, None, **tables, **options)
-    assert ours.dtype == dtype and ours.is_cuda
-    torch.testing.assert_close(ours.double().cpu(), expected.detach(), atol=atol, rtol=atol)
-    for g_ours, g_ref in zip(_grads(ours, on_cuda, weights.to("cuda", dtype)), expected_grads, strict=True):
-        torch.testing.assert_close(g_ours.double().cpu(), g_ref, atol=2 * atol, rtol=2 * atol)
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        ours, _ = tree_attention_sdpa(None, *on_cuda, None, **tables, **options)
+    low_precision = autocast or BF16 in dtypes
+    assert ours.dtype == (BF16 if low_precision else FP32) and ours.is_cuda
+    tolerance = 12 * U_BF16 if low_precision else 1e-4
+    assert (ours.double().cpu() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+    for g_ours, g_ref in zip(_grads(ours.double(), on_cuda, weights.cuda()), expected_grads, strict=True):
+        assert (g_ours.double().cpu() - g_ref).abs().max().item() <= 2 * tolerance * g_ref.abs().max().item()
 
 
 def _independent_segments(n_segments: int, length: int, device: str = "cuda") -> dict:
@@ -308,8 +411,8 @@ def _independent_segments(n_segments: int, length: int, device: str = "cuda") ->
 
 
 def _reference_float32(q, k, v, tables, rows: int = 1024) -> torch.Tensor:
-    """Per-segment causal softmax in float32, a block of query rows at a time (forward only: at 16,384 tokens the
-    whole score matrix would not fit)."""
+    """Per-segment causal softmax in float32, a block of query rows at a time, differentiable (its gradient keeps
+    every block's scores: run it without grad where those would not fit, e.g. all heads at 16,384 tokens)."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
     cu = tables["tree_cu_seqlens_q"].tolist()
@@ -354,9 +457,9 @@ def test_cuda_bf16_at_training_lengths_matches_float32_and_records_memory(n_segm
     error = (ours.float() - expected).norm() / expected.norm()
     record_property(f"sdpa_relative_error_{n_segments}x{length}", float(error))
     assert error < 1e-2, float(error)
-    if n_tokens <= 8192:  # the float32 reference's own gradient fits here (its score matrices are 1 GiB)
+    if n_tokens <= 8192:  # the float32 reference's own gradient fits here (its saved score blocks are a few GiB)
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-        reference, _ = tree_attention_cpu(None, q32, k32, v32, None, **tables)
+        reference = _reference_float32(q32, k32, v32, tables)
         reference.backward(grad_out.float())
         for ours_grad, ref_grad in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
             relative = (ours_grad.float() - ref_grad).norm() / ref_grad.norm()
