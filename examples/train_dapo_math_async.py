@@ -41,7 +41,7 @@ from dapo_math.evaluation import async_eval_callback
 from dapo_math.plots import summarize_async_run
 from dapo_math.rewards import accuracy_reward, format_reward
 from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer
-from dppo_trl.cli.inputs import resolve_resume
+from dppo_trl.cli.inputs import resolve_resume, resolve_reward_func
 from dppo_trl.cli.server import load_tokenizer, start_cpu_server, stop_server
 
 # The no-argument CPU run (applied only to options the user did not set), shared with `dppo-trl train-async`.
@@ -53,6 +53,13 @@ class AsyncScriptArguments:
     model_name_or_path: str = field(default=TINY_MODEL_DIR, metadata={"help": "Model to train (and to serve)."})
     dataset_name: str = field(default=TINY_TRAIN_FILE, metadata={"help": "DAPO-Math-17k id or a local file."})
     max_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training problems."})
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Rewards, as `dppo-trl train-async` takes them (TRL's bundled names or import paths). Default: "
+            "`accuracy_reward` and `format_reward` of `dapo_math.rewards`, equally weighted."
+        },
+    )
     eval_dataset: str | None = field(
         default=TINY_TEST_FILE,
         metadata={
@@ -110,7 +117,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     try:
         trainer = AsyncDPPOTrainer(
             model=script_args.model_name_or_path,
-            reward_funcs=[accuracy_reward, format_reward],
+            reward_funcs=[resolve_reward_func(name) for name in script_args.reward_funcs]
+            if script_args.reward_funcs
+            else [accuracy_reward, format_reward],
             args=training_args,
             train_dataset=dataset,
             processing_class=load_tokenizer(script_args.model_name_or_path),

@@ -243,7 +243,8 @@ def load_local_or_hub(name_or_path: str, split: str = "train", config_name: str 
         extension = os.path.splitext(path)[1].lower()
         if extension not in DATA_EXTENSIONS:
             raise CLIError(
-                f"--dataset_name {name_or_path!r}: unsupported data file; expected one of {sorted(DATA_EXTENSIONS)}."
+                f"Unsupported data file {name_or_path!r}: expected one of {sorted(DATA_EXTENSIONS)} (or a folder, or "
+                "a Hub dataset id)."
             )
         # A single file has no splits: `datasets` calls it "train" whatever it holds.
         return load_dataset(DATA_EXTENSIONS[extension], data_files=path, split="train", streaming=streaming)

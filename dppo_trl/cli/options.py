@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from trl import ScriptArguments
@@ -122,11 +122,26 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(arg in ("-h", "--help") for arg in argv)
 
 
+def model_config_class(config_class: type) -> type:
+    """TRL's `ModelConfig`, less the fields the trainer's config already has (`AsyncGRPOConfig.dtype`: the model and
+    server dtype there), so both parse into one command line."""
+    from trl import ModelConfig
+
+    shared = {f.name for f in fields(ModelConfig)} & {f.name for f in fields(config_class)}
+    if not shared:
+        return ModelConfig
+    kept = [(f.name, f.type, f) for f in fields(ModelConfig) if f.name not in shared]
+    namespace = {"__post_init__": ModelConfig.__post_init__, "__doc__": ModelConfig.__doc__}
+    namespace.update({name: None for name in shared})  # read as unset (`model_init_kwargs`): the config's own wins
+    return make_dataclass("ModelConfig", kept, namespace=namespace)
+
+
 def make_parser(script_class: type, config_class: type, recipes: Sequence[Recipe], prog: str | None = None):
-    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+    from trl import DatasetMixtureConfig, TrlParser
 
     recipe_types = [r.arguments for r in recipes if r.arguments is not None]
-    return TrlParser((script_class, config_class, ModelConfig, DatasetMixtureConfig, *recipe_types), prog=prog)
+    model_class = model_config_class(config_class)
+    return TrlParser((script_class, config_class, model_class, DatasetMixtureConfig, *recipe_types), prog=prog)
 
 
 def _demo_defaults(command: str, recipes: Sequence[Recipe], asynchronous: bool) -> tuple[Recipe, dict[str, Any]]:

@@ -87,7 +87,8 @@ def train(prepared: PreparedRun, callbacks: list | None = None):
     for recipe, options in run.recipes:
         recipe.attach(trainer, options, script_args, False)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.accelerator.print("Training completed.")
+    processes = trainer.accelerator.num_processes
+    trainer.accelerator.print(f"Training completed on {processes} process{'es' if processes > 1 else ''}.")
     for recipe, options in run.recipes:
         recipe.finish(trainer, options, False)
     trainer.save_model(training_args.output_dir)

@@ -102,7 +102,8 @@ def train(prepared: PreparedRun, callbacks: list | None = None):
         # A SIGTERM under --enable_jit_checkpoint raises TrainingPreempted (exit 143) here, after its checkpoint:
         # the server is stopped below and no final model is saved.
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.accelerator.print("Training completed.")
+        processes = trainer.accelerator.num_processes
+        trainer.accelerator.print(f"Training completed on {processes} process{'es' if processes > 1 else ''}.")
         for recipe, options in run.recipes:
             recipe.finish(trainer, options, True)
         trainer.save_model(training_args.output_dir)
