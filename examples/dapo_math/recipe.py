@@ -75,7 +75,13 @@ def math_rewards(options: MathRecipeArguments, training_args) -> list:
     rewards = [accuracy_reward]
     if options.format_reward_weight:
         rewards.append(format_reward)
-        if training_args.reward_weights is None:
+        if not hasattr(training_args, "reward_weights"):  # AsyncGRPOConfig sums its rewards unweighted
+            if options.format_reward_weight != 1.0:
+                raise CLIError(
+                    f"--format_reward_weight {options.format_reward_weight}: the asynchronous trainer sums its rewards "
+                    "unweighted. Pass 1 (or 0 to drop the format reward)."
+                )
+        elif training_args.reward_weights is None:
             training_args.reward_weights = [1.0, options.format_reward_weight]
     return rewards
 

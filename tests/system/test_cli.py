@@ -98,8 +98,6 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"dppo-trl vllm-serve not healthy:\n{log_path.read_text()[-3000:]}")
             time.sleep(2)
-        info = requests.get(url + "/server_info", timeout=30).json()
-        assert "processed_logprobs" in json.dumps(info)  # what DPPO's μ needs, set by the launcher
         yield port
     finally:
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):

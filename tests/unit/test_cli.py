@@ -144,7 +144,9 @@ def test_rewards_by_trl_name_and_by_import_path(tmp_path, monkeypatch):
     assert resolve_reward_func("accuracy_reward") is trl.rewards.accuracy_reward
     assert resolve_reward_func(REWARD) is accuracy_reward
     # A rewards file in the current folder imports by its name, as with `trl grpo`; sys.path is left as it was.
-    (tmp_path / "my_cli_rewards.py").write_text("def length(completions, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "my_cli_rewards.py").write_text(
+        "def length(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
     monkeypatch.chdir(tmp_path)
     before = list(os.sys.path)
     assert resolve_reward_func("my_cli_rewards.length").__name__ == "length"
