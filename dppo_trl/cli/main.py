@@ -92,6 +92,11 @@ def run_training_command(name: str, argv: list[str]) -> int:
     except CLIError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
+    if "--mixed_precision" not in launch_args:
+        # accelerate exports a config's `mixed_precision` (TRL's presets say bf16) and transformers reads it back
+        # when bf16/fp16 are off, so a preset would silently override the run's own precision: the run's wins.
+        args = run.training_args
+        launch_args += ["--mixed_precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "no"]
     script_args = _subtract_subsequence(argv, run.cli_remaining)
     from accelerate.commands.launch import launch_command, launch_command_parser
 

@@ -83,7 +83,7 @@ DECISIONS = {
         "tests/system/test_cli.py"
     ),
     ".venv/bin/dppo-trl train --accelerate_config multi_gpu --num_processes 2 --main_process_port 29601 "
-    "--mixed_precision no --model_name_or_path examples/tiny_math_model --dataset_name "
+    "--model_name_or_path examples/tiny_math_model --dataset_name "
     "examples/data/tiny_math/train.jsonl --reward_funcs dapo_math.rewards.accuracy_reward --use_vllm false "
     "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli.py"),
     ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-cli-async": Covered("tests/system/test_cli.py"),

@@ -170,6 +170,7 @@ def test_launch_hands_accelerate_its_options_and_the_script_the_rest(tmp_path, l
     assert cli_main(["train", *argv]) == 0
     (args,) = launches
     assert args.config_file.endswith("multi_gpu.yaml") and args.num_processes == 2 and args.main_process_port == 35001
+    assert args.mixed_precision == "no"  # the run's fp32 (CPU default), not the preset's bf16
     assert args.module and args.training_script == "dppo_trl.cli.train"
     assert args.training_script_args == _flags(tmp_path, "--max_steps", "1")
 
