@@ -329,7 +329,12 @@ def load_training_data(script_args: Any, dataset_args: Any, training_args: Any) 
             "mixture in --config."
         )
     check_prompt_column(train, option)
-    if getattr(script_args, "dedup", False):
+    if (script_args.dedup or script_args.max_train_samples is not None) and not hasattr(train, "__len__"):
+        raise CLIError(
+            "--dedup and --max_train_samples need the whole dataset; a streamed one (--dataset_streaming) has no "
+            "length. Drop them or the streaming."
+        )
+    if script_args.dedup:
         train = drop_repeated_prompts(train)
     if script_args.max_train_samples is not None:
         train = train.select(range(min(script_args.max_train_samples, len(train))))

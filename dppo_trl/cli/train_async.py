@@ -108,6 +108,8 @@ def train(prepared: PreparedRun, callbacks: list | None = None):
             recipe.finish(trainer, options, True)
         trainer.save_model(training_args.output_dir)
         trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+        if training_args.push_to_hub:
+            trainer.push_to_hub(dataset_name=script_args.dataset_name)
     finally:
         if server is not None:
             stop_server(server)
