@@ -39,6 +39,27 @@ def starts_server(run: ParsedRun) -> bool:
     return not torch.cuda.is_available() and "vllm_server_base_url" not in run.explicit
 
 
+def check_served_model(base_url: str, model: str) -> None:
+    """The server at `base_url` must serve `model` under that name: TRL's rollout worker asks for it by name, and a
+    404 there stops the worker while the trainer keeps waiting. An unreachable server is left to the trainer's own
+    wait (`vllm_server_timeout`)."""
+    import requests
+
+    key = os.environ.get("VLLM_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = requests.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+        served = [entry["id"] for entry in response.json()["data"]] if response.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return
+    if served is not None and model not in served:
+        raise CLIError(
+            f"--vllm_server_base_url {base_url} serves {', '.join(map(repr, served))}, not --model_name_or_path "
+            f"{model!r}: the rollout worker asks for the model by that name. Pass the name the server was started "
+            f"with, or start it with `dppo-trl vllm-serve --model {model}`."
+        )
+
+
 def prepare(run: ParsedRun) -> PreparedRun:
     from trl import get_quantization_config
 
@@ -58,6 +79,8 @@ def prepare(run: ParsedRun) -> PreparedRun:
             "--start_server runs one server for a single training process. With several processes, start it "
             "yourself (`dppo-trl vllm-serve --model ...`) and pass --vllm_server_base_url."
         )
+    if not starts_server(run):
+        check_served_model(training_args.vllm_server_base_url, model_args.model_name_or_path)
     for recipe, options in run.recipes:
         recipe.check(options, script_args, training_args)
     reward_funcs = resolve_rewards(script_args, default_rewards(run))

@@ -661,7 +661,7 @@ def test_async_recipe_parses_into_the_config(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 ASYNC_RECIPE = "examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml"
 # The GPU recipe's sizes swapped for the tiny model's; everything else is the recipe's.
-ASYNC_RECIPE_SHRINK = ["--model_name_or_path", "examples/tiny_math_model", "--dataset_name",
+ASYNC_RECIPE_SHRINK = ["--model_name_or_path", TINY_MODEL, "--dataset_name",  # the name the server serves
                        "examples/data/tiny_math/train.jsonl", "--dtype", "float32", "--bf16", "false", "--use_cpu",
                        "true", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
                        "--num_generations", "4", "--max_completion_length", "16", "--gradient_checkpointing", "false",

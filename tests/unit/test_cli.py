@@ -257,3 +257,20 @@ def test_vllm_serve_on_gpu_is_trls(monkeypatch):
     assert cli_main(["vllm-serve", "--model", "Qwen/Qwen3-0.6B", "--data_parallel_size", "8", "--foo", "1"]) == 0
     ((args, extra),) = seen
     assert (args.model, args.data_parallel_size, extra) == ("Qwen/Qwen3-0.6B", 8, ["--foo", "1"])
+
+
+def test_train_async_refuses_a_server_serving_another_model(tmp_path, capsys, nothing_launches, monkeypatch):
+    """TRL's rollout worker asks the server for the model by name; a mismatch is named before anything starts."""
+    import requests
+
+    class Served:
+        status_code = 200
+
+        def json(self):
+            return {"data": [{"id": "/elsewhere/tiny_math_model"}]}
+
+    monkeypatch.setattr(requests, "get", lambda url, **kwargs: Served())
+    argv = _flags(tmp_path, "--vllm_server_base_url", "http://127.0.0.1:35003")
+    assert cli_main(["train-async", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "serves '/elsewhere/tiny_math_model', not --model_name_or_path" in err and "vllm-serve --model" in err, err
