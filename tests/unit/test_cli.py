@@ -274,3 +274,14 @@ def test_train_async_refuses_a_server_serving_another_model(tmp_path, capsys, no
     assert cli_main(["train-async", *argv]) == 2
     err = capsys.readouterr().err
     assert "serves '/elsewhere/tiny_math_model', not --model_name_or_path" in err and "vllm-serve --model" in err, err
+
+
+@pytest.mark.parametrize("command", [train, train_async])
+def test_flags_only_prepares_model_data_and_reward(tmp_path, nothing_launches, command):
+    """What both commands check and load before a model, from flags alone (the runs: tests/system, integration)."""
+    from dapo_math.rewards import accuracy_reward
+
+    extra = ["--vllm_server_base_url", "http://127.0.0.1:1"] if command is train_async else []  # never reached
+    prepared = command.prepare(command.parse(_flags(tmp_path, "--max_train_samples", "10", *extra)))
+    assert prepared.reward_funcs == [accuracy_reward]
+    assert len(prepared.train_dataset) == 10 and "prompt" in prepared.train_dataset.column_names
