@@ -48,61 +48,28 @@ from dataclasses import dataclass, field
 # The default run is offline; respect anything the user exported.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import torch
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from dapo_math.card import attach_recipe_to_model_card, recipe_card_section
-from dapo_math.data import AIME_DATASETS, load_aime, load_dapo_math
+from dapo_math.data import load_dapo_math
+from dapo_math.demo import TINY_EVAL_DEFAULTS, TINY_MODEL_DIR, TINY_RUN_DEFAULTS, TINY_TEST_FILE, TINY_TRAIN_FILE
 from dapo_math.evaluation import MathEvalCallback
+from dapo_math.evaluation import load_eval_sets as load_math_eval_sets
 from dapo_math.plots import plot_training_curves, summarize_run, summary_line
 from dapo_math.preflight import run_preflight
-from dapo_math.rewards import accuracy_reward, format_reward
+from dapo_math.recipe import MathRecipeArguments, math_rewards
 from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.cli.inputs import model_init_kwargs
+from dppo_trl.cli.options import explicit_arg_names, has_accelerator
 
-EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
-TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
-TINY_TEST_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "test.jsonl")
-
-# Settings of the no-argument CPU run. They apply only to the bundled tiny model, and only to options the user did
-# not set (on the command line or in --config). They reproduce, at CPU size, the setting DPPO exists for: a vLLM
-# engine samples in bf16 (`vllm_cpu_dtype`) while the trainer runs in fp32, and each rollout is split into 8
-# optimizer steps (the authors' 8 mini-batches per rollout), so π drifts away from the engine's μ within a rollout
-# and the trust region masks tokens. `--use_vllm false` runs the transformers-generation variant instead (no engine
-# mismatch; μ is TRL's recompute of the generating weights). The real recipes live in examples/recipes/*.yaml.
-TINY_RUN_DEFAULTS = {
-    "output_dir": "outputs/tiny-math-dppo",
-    "use_vllm": True,
-    "vllm_mode": "colocate",
-    "learning_rate": 3e-4,  # a 130k-parameter model needs a far larger step than an 8B one (1e-6)
-    "lr_scheduler_type": "constant",
-    "max_steps": 100,  # 12.5 rollouts
-    "per_device_train_batch_size": 128,  # completions per optimizer step: 16 prompts x 8 samples
-    "gradient_accumulation_steps": 1,
-    "steps_per_generation": 8,  # a rollout of 128 prompts x 8 samples feeds 8 optimizer steps
-    "num_generations": 8,
-    "max_completion_length": 16,  # "Answer: 17" plus end-of-turn is 11 tokens
-    "temperature": 1.0,
-    "logging_steps": 1,  # per-step logs tell a rollout's first (fresh) step from the drifted ones
-    "save_strategy": "no",
-    "report_to": "none",
-    "gradient_checkpointing": False,  # saves nothing on a model this small and costs time
-    "seed": 42,
-}
-# The tiny model writes DAPO's "Answer:" line only half the time; a small format reward lets RL fix that first
-# (accuracy requires the format), which is what makes the accuracy climb within a few minutes. The engine samples in
-# bf16 where the CPU has it natively (`DPPOConfig.vllm_cpu_dtype="auto"`).
-TINY_EVAL_DEFAULTS = {
-    "math_eval_steps": 50,
-    "math_eval_num_samples": 4,
-    "format_reward_weight": 0.5,
-    "vllm_cpu_dtype": "auto",
-}
+# The no-argument CPU run's settings (`TINY_RUN_DEFAULTS`, `TINY_EVAL_DEFAULTS`) and the bundled model and data live
+# in `dapo_math.demo`, shared with `dppo-trl train`; `examples/recipes/tiny_math_cpu.yaml` spells them out.
 
 
 @dataclass
-class DAPOMathScriptArguments(ScriptArguments):
-    """Data, reward and evaluation options of `train_dapo_math.py` (TRL's `ScriptArguments` plus math evaluation)."""
+class DAPOMathScriptArguments(MathRecipeArguments, ScriptArguments):
+    """Data, reward and evaluation options of `train_dapo_math.py` (TRL's `ScriptArguments`, the DAPO-Math recipe's
+    options shared with `dppo-trl`, and the script's data options)."""
 
     dataset_name: str | None = field(
         default=None,
@@ -118,28 +85,6 @@ class DAPOMathScriptArguments(ScriptArguments):
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N (deduplicated) training problems."}
     )
-    format_reward_weight: float = field(
-        default=0.0,
-        metadata={"help": "Weight of `format_reward` (an `Answer:` line or `\\boxed{}` exists). 0 disables it."},
-    )
-    math_eval_datasets: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Evaluation sets: `aime24`, `aime25`, a Hub id or local file, optionally as `name=source`. "
-            "Default: `aime24 aime25` for real runs, the bundled tiny test set for the CPU demo. `none` disables."
-        },
-    )
-    math_eval_split: str = field(default="train", metadata={"help": "Split of the evaluation sets on the Hub."})
-    math_eval_steps: int | None = field(
-        default=None, metadata={"help": "Evaluate every N optimizer steps (also before and after training)."}
-    )
-    math_eval_num_samples: int = field(
-        default=16, metadata={"help": "k in avg@k: samples per evaluation problem, at the training temperature."}
-    )
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only the first N problems per set."})
-    plot_curves: bool = field(
-        default=True, metadata={"help": "Save the reward/accuracy curves to `<output_dir>/training_curves.png`."}
-    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -147,23 +92,6 @@ class DAPOMathScriptArguments(ScriptArguments):
             "deleted first. Without it (or `--resume_from_checkpoint latest`) such a folder is refused. (transformers "
             "5 dropped this TrainingArguments option; the script keeps it.)"
         },
-    )
-
-
-def explicit_arg_names(argv: list[str]) -> set[str]:
-    """Option names the user set, on the command line or in the `--config` YAML (everything else is a default)."""
-    names = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    if "--config" in argv and argv.index("--config") + 1 < len(argv):
-        import yaml
-
-        with open(argv[argv.index("--config") + 1]) as f:
-            names |= set((yaml.safe_load(f) or {}).keys())
-    return names
-
-
-def _has_accelerator() -> bool:
-    return torch.cuda.is_available() or any(
-        getattr(torch, name, None) is not None and getattr(torch, name).is_available() for name in ("xpu", "mps")
     )
 
 
@@ -187,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DAPOMathScriptArguments, 
     if "model_name_or_path" not in explicit:
         defaults.update(TINY_RUN_DEFAULTS)
         defaults.update(TINY_EVAL_DEFAULTS)
-    if not _has_accelerator():
+    if not has_accelerator():
         defaults.update(use_cpu=True, bf16=False)
     parser.set_defaults_with_config(**defaults)
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
@@ -212,18 +140,9 @@ def resolve_model_and_data(script_args: DAPOMathScriptArguments, model_args: Mod
 
 def load_eval_sets(script_args: DAPOMathScriptArguments) -> dict:
     """`{name: Dataset}` from `--math_eval_datasets` entries (`aime24`, `name=source` or a plain source)."""
-    specs = script_args.math_eval_datasets or []
-    if [s.lower() for s in specs] == ["none"]:
-        return {}
-    eval_sets = {}
-    for spec in specs:
-        name, source = spec.split("=", 1) if "=" in spec else (spec, spec)
-        if name == source and name not in AIME_DATASETS:
-            name = os.path.splitext(os.path.basename(source.rstrip("/")))[0] or source
-        eval_sets[name] = load_aime(
-            source, split=script_args.math_eval_split, max_samples=script_args.max_eval_samples
-        )
-    return eval_sets
+    return load_math_eval_sets(
+        script_args.math_eval_datasets or [], script_args.math_eval_split, script_args.max_eval_samples
+    )
 
 
 def print_engine_dtype(training_args: DPPOConfig) -> None:
@@ -252,20 +171,9 @@ def main(
     run_preflight(script_args, training_args, model_args)
     resolve_model_and_data(script_args, model_args)
 
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": getattr(training_args, "trust_remote_code", None),
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    quantization_config = get_quantization_config(model_args)
-    if quantization_config is not None:
-        from trl import get_kbit_device_map
-
-        model_init_kwargs["device_map"] = get_kbit_device_map()
     # Recipe values (e.g. MoE `output_router_logits`) win over the generic ModelConfig ones.
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
+    quantization_config = get_quantization_config(model_args)
 
     train_dataset = load_dapo_math(
         script_args.dataset_name,
@@ -276,11 +184,7 @@ def main(
     )
     eval_sets = load_eval_sets(script_args)
 
-    reward_funcs = [accuracy_reward]
-    if script_args.format_reward_weight:
-        reward_funcs.append(format_reward)
-        if training_args.reward_weights is None:
-            training_args.reward_weights = [1.0, script_args.format_reward_weight]
+    reward_funcs = math_rewards(script_args, training_args)
 
     print_engine_dtype(training_args)
     trainer = DPPOTrainer(

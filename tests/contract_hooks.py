@@ -140,4 +140,10 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "VLLM_SYNC_CALL_FRAGMENT": KEPT,
     "VLLM_INIT_COLOCATE_FRAGMENTS": "cpu-1",
     "CPU_ENGINE_ARGUMENTS_TRL_DOES_NOT_PASS": "cpu-1",
+    # The `dppo-trl` command: public parts of TRL's CLI, used as `trl grpo` uses them.
+    "CLI_PARSER_PARAMETERS": KEPT,
+    "CLI_ACCELERATE_PRESETS": KEPT,
+    "CLI_BUNDLED_REWARDS": KEPT,
+    "CLI_VLLM_SERVE_FIELDS": KEPT,
+    "CLI_VLLM_SERVE_FUNCTIONS": KEPT,
 }

@@ -450,3 +450,39 @@ VLLM_SYNC_CALL_FRAGMENT = "self.vllm_generation.sync_weights()"
 # ---------------------------------------------------------------------------------------------------------------------
 VLLM_INIT_COLOCATE_FRAGMENTS = ("self.llm = LLM(",)
 CPU_ENGINE_ARGUMENTS_TRL_DOES_NOT_PASS = ("dtype=", "kv_cache_memory_bytes=", "enforce_eager=")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The `dppo-trl` command (`dppo_trl/cli/`), driven like `trl grpo`: TRL's parser with its split of the options no
+# dataclass knows (config file vs command line, as `trl/cli/commands/training.py` splits them before `accelerate
+# launch`), the accelerate presets TRL ships as package data, `trl grpo`'s reward names (`trl.rewards`), and `trl
+# vllm-serve`'s parser, fields and launcher (called as they are on a GPU, the fields mapped to the CPU server on
+# CPU). Public parts of TRL's CLI, kept: a plug-in point in TRL's CLI would let `trl dppo` replace the command
+# (docs/upstream.md, "A command-line plug-in point") but would still use them.
+# ---------------------------------------------------------------------------------------------------------------------
+CLI_PARSER_PARAMETERS = ("args", "return_remaining_strings", "fail_with_unknown_args", "separate_remaining_strings")
+CLI_ACCELERATE_PRESETS = ("single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "fsdp1", "fsdp2")
+CLI_BUNDLED_REWARDS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",
+)
+CLI_VLLM_SERVE_FIELDS = (
+    "model",
+    "revision",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "host",
+    "port",
+    "gpu_memory_utilization",
+    "dtype",
+    "max_model_len",
+    "enable_prefix_caching",
+    "kv_cache_dtype",
+    "trust_remote_code",
+    "log_level",
+    "vllm_model_impl",
+    "distributed_executor_backend",
+    "speculative_config",
+)
+CLI_VLLM_SERVE_FUNCTIONS = ("make_parser", "main")

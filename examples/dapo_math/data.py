@@ -12,10 +12,9 @@ or a `save_to_disk` folder), so everything is testable offline.
 
 from __future__ import annotations
 
-import hashlib
-import os
+from datasets import Dataset
 
-from datasets import Dataset, load_dataset, load_from_disk
+from dppo_trl.cli.inputs import drop_repeated_prompts, load_local_or_hub
 
 __all__ = [
     "AIME_DATASETS",
@@ -39,27 +38,13 @@ DAPO_PROMPT_TEMPLATE = (
     'Remember to put your answer on its own line after "Answer:".'
 )
 
-_DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _PROBLEM_COLUMNS = ("problem", "question", "Problem", "Question")
 _ANSWER_COLUMNS = ("ground_truth", "answer", "solution", "Answer")
 
 
 def load_math_dataset(name_or_path: str, split: str = "train", config_name: str | None = None) -> Dataset:
-    """Load a raw dataset split from the Hub or from a local file/folder."""
-    if os.path.isfile(name_or_path):
-        extension = os.path.splitext(name_or_path)[1].lower()
-        if extension not in _DATA_EXTENSIONS:
-            raise ValueError(f"Unsupported data file {name_or_path!r}; expected one of {sorted(_DATA_EXTENSIONS)}")
-        # A single file has no splits: `datasets` calls it "train" whatever it holds.
-        return load_dataset(_DATA_EXTENSIONS[extension], data_files=name_or_path, split="train")
-    if os.path.isdir(name_or_path):
-        if os.path.exists(os.path.join(name_or_path, "dataset_info.json")) or os.path.exists(
-            os.path.join(name_or_path, "dataset_dict.json")
-        ):
-            loaded = load_from_disk(name_or_path)
-            return loaded[split] if hasattr(loaded, "keys") else loaded
-        return load_dataset(name_or_path, config_name, split=split)
-    return load_dataset(name_or_path, config_name, split=split)
+    """Load a raw dataset split from the Hub or from a local file/folder (the `dppo-trl` command's loader)."""
+    return load_local_or_hub(name_or_path, split=split, config_name=config_name)
 
 
 def _prompt_messages(example: dict, prompt_template: str | None) -> list[dict]:
@@ -86,11 +71,6 @@ def _ground_truth(example: dict) -> str:
     raise ValueError(f"Row has no ground truth (reward_model.ground_truth/answer/solution): {sorted(example)}")
 
 
-def _prompt_key(prompt: list[dict]) -> str:
-    text = "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in prompt)
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
-
-
 def normalize_math_dataset(
     dataset: Dataset,
     prompt_template: str | None = None,
@@ -106,20 +86,12 @@ def normalize_math_dataset(
     """
 
     def convert(example: dict) -> dict:
-        prompt = _prompt_messages(example, prompt_template)
-        return {"prompt": prompt, "ground_truth": _ground_truth(example), "_key": _prompt_key(prompt)}
+        return {"prompt": _prompt_messages(example, prompt_template), "ground_truth": _ground_truth(example)}
 
     dataset = dataset.map(convert, remove_columns=dataset.column_names, num_proc=num_proc)
     if dedup:
         # The Hub copy of DAPO-Math-17k repeats every problem ~100 times; keep the first copy of each.
-        seen, keep = set(), []
-        for i, key in enumerate(dataset["_key"]):
-            if key not in seen:
-                seen.add(key)
-                keep.append(i)
-        if len(keep) < len(dataset):
-            dataset = dataset.select(keep)
-    dataset = dataset.remove_columns("_key")
+        dataset = drop_repeated_prompts(dataset)
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     return dataset

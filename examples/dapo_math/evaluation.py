@@ -241,3 +241,47 @@ def _attention(model, implementation: str | None):
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+def load_eval_sets(specs: list[str], split: str = "train", max_samples: int | None = None) -> dict[str, Dataset]:
+    """`{name: Dataset}` from `--math_eval_datasets` entries (`aime24`, `name=source` or a plain source)."""
+    import os
+
+    from dapo_math.data import AIME_DATASETS, load_aime
+
+    if [s.lower() for s in specs] == ["none"]:
+        return {}
+    eval_sets = {}
+    for spec in specs:
+        name, source = spec.split("=", 1) if "=" in spec else (spec, spec)
+        if name == source and name not in AIME_DATASETS:
+            name = os.path.splitext(os.path.basename(source.rstrip("/")))[0] or source
+        eval_sets[name] = load_aime(source, split=split, max_samples=max_samples)
+    return eval_sets
+
+
+def async_eval_callback(trainer, datasets: Mapping[str, Dataset], num_samples: int, args) -> MathEvalCallback:
+    """avg@k for an `AsyncDPPOTrainer`, before and after training, sampled as training samples.
+
+    The trained policy generates with transformers (so the server's lag does not enter the score), with packed tree
+    attention swapped for SDPA while it does.
+    """
+    from transformers import GenerationConfig
+
+    tokenizer = trainer.processing_class
+    generation_config = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return MathEvalCallback(
+        trainer,
+        datasets,
+        num_samples=num_samples,
+        generation_config=generation_config,
+        generation_attn_implementation="sdpa",
+    )

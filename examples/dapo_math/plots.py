@@ -184,3 +184,20 @@ def summary_line(summary: dict) -> str:
             )
         parts.append(text)
     return " | ".join(parts)
+
+
+def summarize_async_run(history: list[dict]) -> dict:
+    """First/last reward, staleness and DPPO mask rates of an asynchronous run's log history."""
+    steps = [h for h in history if "dppo/mask_ratio" in h]
+    if not steps:
+        return {"steps": 0}
+    stale_mask = [h[k] for h in steps for k in h if k.startswith("dppo/staleness_") and k.endswith("mask_ratio")]
+    return {
+        "steps": len(steps),
+        "reward_first": steps[0].get("reward"),
+        "reward_last": steps[-1].get("reward"),
+        "staleness_mean": sum(h.get("sample/staleness_mean", 0.0) for h in steps) / len(steps),
+        "staleness_max": max(h.get("sample/staleness_max", 0.0) for h in steps),
+        "mask_ratio_mean": sum(h["dppo/mask_ratio"] for h in steps) / len(steps),
+        "mask_ratio_max_by_staleness": max(stale_mask) if stale_mask else 0.0,
+    }

@@ -16,6 +16,7 @@ import time
 import pytest
 import requests
 import torch
+from cli_runs import DPPO_TRL, run_cli, trackio_metrics
 from conftest import get_free_port
 from datasets import Dataset
 from train_dapo_math_async import stop_server  # the example's own: SIGTERM, then SIGKILL, to the session
@@ -502,10 +503,10 @@ def test_policy_version_is_read_once_per_step_on_every_rank(tmp_path):
 def server_url(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("async_server") / "server.log"
     port = get_free_port()
-    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
-    command += ["--max-model-len", "256"]
+    # `dppo-trl vllm-serve` with `trl vllm-serve`'s flags: on CPU, `python -m dppo_trl.backends.cpu.vllm_server`.
+    command = [DPPO_TRL, "vllm-serve", "--model", TINY_MODEL, "--port", str(port), "--max_model_len", "256"]
     # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request — TRL's worker seeds every one —
-    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial.
+    # is in a partial (chunked) prefill; without chunked prefill no prefill is ever partial. (The CPU server's flags.)
     command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("VLLM_API_KEY", None)  # TRL's rollout worker sends no key
@@ -762,3 +763,50 @@ def test_async_recipe_parses_into_the_config(tmp_path):
     config_values.update(output_dir=str(tmp_path), bf16=False, use_cpu=True)
     config = AsyncDPPOConfig(**config_values)
     assert (config.divergence, config.max_staleness, config.mu_kl_coef) == ("binary_tv", 4, 0.001)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The `dppo-trl` command against this module's server (last: they leave their weights on it). The shipped recipes,
+# shrunk to the tiny model, 2 steps, reporting to trackio with no network; the DPPO metrics, the per-staleness slices
+# included, are read back from trackio's SQLite store.
+# ---------------------------------------------------------------------------------------------------------------------
+ASYNC_RECIPE = "examples/recipes/async/qwen3_1.7b_base_dapo_math_async.yaml"
+# The GPU recipe's sizes swapped for the tiny model's; everything else is the recipe's.
+ASYNC_RECIPE_SHRINK = ["--model_name_or_path", TINY_MODEL, "--dataset_name",  # the name the server serves
+                       "examples/data/tiny_math/train.jsonl", "--dtype", "float32", "--bf16", "false", "--use_cpu",
+                       "true", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                       "--num_generations", "4", "--max_completion_length", "16", "--gradient_checkpointing", "false",
+                       "--save_strategy", "no", "--learning_rate", "3e-4"]  # fmt: skip
+
+
+def test_cli_train_async_recipe_reports_dppo_metrics_to_trackio(server_url, tmp_path):
+    output = run_cli(
+        tmp_path, "train-async", "--config", ASYNC_RECIPE, *ASYNC_RECIPE_SHRINK, "--vllm_server_base_url", server_url,
+        "--max_steps", "2", "--max_staleness", "2", "--report_to", "trackio", "--project", "cli-async",
+        "--output_dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert "Training completed on 1 process." in output and "Starting a CPU vLLM server" not in output
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    rows = [r for r in trackio_metrics(tmp_path, "cli-async") if "train/dppo/mask_ratio" in r]
+    assert len(rows) == 2, rows
+    for key in ("train/dppo/divergence_mean", "train/dppo/mismatch_abs_max", "train/sample/staleness_mean"):
+        assert all(key in r for r in rows), key
+    assert any(k.startswith("train/dppo/staleness_") and k.endswith("/mask_ratio") for r in rows for k in r), rows
+
+
+def test_cli_train_cpu_recipe_in_server_mode_reports_to_trackio(server_url, tmp_path):
+    """`dppo-trl train --config examples/recipes/tiny_math_cpu.yaml` (the demo), flags moving it to the server."""
+    port = server_url.rsplit(":", 1)[1]
+    output = run_cli(
+        tmp_path, "train", "--config", "examples/recipes/tiny_math_cpu.yaml", "--vllm_mode", "server",
+        "--vllm_server_host", "127.0.0.1", "--vllm_server_port", port, "--max_steps", "2",
+        "--per_device_train_batch_size", "16", "--steps_per_generation", "2", "--math_eval_datasets", "none",
+        "--report_to", "trackio", "--project", "cli-sync", "--output_dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert "Mean reward over training" in output  # the DAPO-Math recipe's summary line
+    assert (tmp_path / "out" / "training_curves.png").exists()
+    rows = [r for r in trackio_metrics(tmp_path, "cli-sync") if "train/dppo/mask_ratio" in r]
+    assert len(rows) == 2, rows
+    assert all("train/dppo/mismatch_abs_max" in r for r in rows), rows
+    # Rewards are logged at the step that generated (the first of the 2 per generation).
+    assert "train/rewards/format_reward/mean" in rows[0], sorted(rows[0])

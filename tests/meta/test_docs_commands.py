@@ -75,6 +75,22 @@ DECISIONS = {
     ),
     "pip install -e .[test,examples]": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
     "pip install --no-deps -e ./dev": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
+    # The `dppo-trl` command: tests/integration/test_async_dppo.py runs the server-mode forms shrunk (2 steps) against
+    # its module's server (started by `dppo-trl vllm-serve`), so the demo runs there in server mode and train-async
+    # uses that server instead of starting one (the example's async command below starts one through the same
+    # `dppo_trl.cli.server`); tests/system/test_cli.py runs the 2-process form; tests/unit/test_cli.py checks that
+    # the no-argument demos parse to the tiny recipe's and the async example's settings.
+    ".venv/bin/dppo-trl train --config examples/recipes/tiny_math_cpu.yaml --output_dir outputs/tiny-math-cli": Covered(
+        "tests/integration/test_async_dppo.py"
+    ),
+    ".venv/bin/dppo-trl train --accelerate_config multi_gpu --num_processes 2 --main_process_port 29601 "
+    "--model_name_or_path examples/tiny_math_model --dataset_name "
+    "examples/data/tiny_math/train.jsonl --reward_funcs dapo_math.rewards.accuracy_reward --use_vllm false "
+    "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli.py"),
+    ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-cli-async": Covered(
+        "tests/integration/test_async_dppo.py"
+    ),
+    ".venv/bin/dppo-trl vllm-serve --model examples/tiny_math_model --port 8000": Run(("--dry-run",)),
     ".venv/bin/python benchmarks/step_time.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/topk_capture.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/system/test_benchmarks.py"),
@@ -92,6 +108,21 @@ DECISIONS = {
     ".venv/bin/python examples/train_dapo_math.py --output_dir outputs/tiny-math-dppo-python": Covered(
         "tests/system/test_default_run.py"
     ),
+    ".venv/bin/dppo-trl train --output_dir outputs/tiny-math-dppo-cli": Covered(
+        "tests/integration/test_async_dppo.py"
+    ),
+    "dppo-trl train --config examples/recipes/qwen3_8b_base_dapo_math.yaml --accelerate_config "
+    "examples/recipes/accelerate/zero3.yaml": CannotRun(GPU),
+    "dppo-trl train --config examples/recipes/qwen3_30b_a3b_base_lora_dapo_math.yaml --accelerate_config "
+    "examples/recipes/accelerate/zero3.yaml": CannotRun(GPU),
+    "dppo-trl vllm-serve --model Qwen/Qwen3-8B-Base --data_parallel_size 8 --max_model_len 10240": CannotRun(
+        "GPU-only: TRL's server (what `dppo-trl vllm-serve` runs on a GPU) needs CUDA vLLM, 8 GPUs and the Hub"
+    ),
+    "dppo-trl train --accelerate_config examples/recipes/accelerate/zero3_multinode.yaml --machine_rank $NODE_RANK "
+    "--main_process_ip $MAIN_NODE_IP --config examples/recipes/qwen3_8b_base_dapo_math_server.yaml "
+    "--vllm_server_host $VLLM_NODE_IP": CannotRun("GPU-only: two 8-GPU training nodes and a vLLM node"),
+    ".venv/bin/dppo-trl train --use_vllm --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_port 8000 "
+    "--output_dir outputs/tiny-math-server-cli": Covered("tests/integration/test_async_dppo.py"),
     "accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py "
     "--config examples/recipes/qwen3_8b_base_dapo_math.yaml": CannotRun(GPU),
     "accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py "
@@ -194,6 +225,9 @@ DECISIONS = {
     ".venv/bin/python examples/train_dapo_math_async.py": Run(
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
     ),
+    ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-async-cli": Covered(
+        "tests/integration/test_async_dppo.py"
+    ),
     # docs/agents.md
     ".venv/bin/python scripts/make_tiny_agent_model.py": Covered("tests/unit/test_tiny_agent.py"),
     ".venv/bin/python examples/train_tool_agent.py": Covered("tests/system/test_tool_agent_example.py"),
@@ -271,7 +305,12 @@ def test_covering_tests_exist_and_run_the_script():
     for command, decision in DECISIONS.items():
         if isinstance(decision, Covered):
             text = (REPO_ROOT / decision.test).read_text()
-            script = next((a for a in shlex.split(command) if a.endswith(".py")), None)
+            argv = shlex.split(command)
+            if Path(argv[0]).name == "dppo-trl":
+                # The console script: the covering test runs it with the same subcommand.
+                assert "DPPO_TRL" in text and f'"{argv[1]}"' in text, (decision.test, argv[1])
+                continue
+            script = next((a for a in argv if a.endswith(".py")), None)
             # The multi-process launches run the tests' own training script with the same launchers and configs.
             if script and "multiprocess" not in decision.test and "vllm_server" not in decision.test:
                 assert Path(script).name in text or Path(script).stem in text, (decision.test, script)

@@ -10,7 +10,7 @@ Installing the wheel's dependencies into a fresh virtual environment would downl
 the wheel is installed with `pip install --no-deps --target <dir>` and checked in a subprocess whose `sys.path` starts
 with that dir: the dependencies come from this environment, the package only from the wheel. The subprocess asserts
 that `dppo_trl` (and its `.dist-info`) are the wheel's, not this checkout's or the editable install's. The packages
-only the `examples` and `test` extras bring (derived from the wheel's metadata: extra requirements minus everything
+only the `examples`, `test` and `trackio` extras bring (derived from the wheel's metadata: extra requirements minus everything
 the base requirements pull in, so e.g. PyYAML, which TRL itself needs, stays importable) and the repository-only
 packages `dapo_math` and `dppo_dev` are made unimportable (`sys.modules[name] = None`, which also makes
 `importlib.util.find_spec` report them missing, as TRL's availability checks use). What this cannot show: that pip
@@ -231,6 +231,8 @@ _CHECK_INSTALLED = textwrap.dedent("""
 
     config = DPPOConfig(output_dir=out_dir, use_cpu=True, report_to="none", divergence="topk_kl")
     dist = metadata.distribution("dppo-trl")
+    (script,) = [e for e in dist.entry_points if e.group == "console_scripts"]
+    assert script.load() is importlib.import_module("dppo_trl.cli").main
     print(json.dumps({
         "file": dppo_trl.__file__,
         "version": dppo_trl.__version__,
@@ -291,6 +293,10 @@ def test_distributions(tmp_path):
         assert {n.split("/")[0] for n in names} == {PACKAGE, dist_info}
         assert whl.read(f"{dist_info}/licenses/LICENSE") == (src / "LICENSE").read_bytes()
         meta = Parser().parsestr(whl.read(f"{dist_info}/METADATA").decode())
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(whl.read(f"{dist_info}/entry_points.txt").decode())
+    # The `dppo-trl` command is the wheel's (pip writes the script from this entry).
+    assert dict(entry_points["console_scripts"]) == {"dppo-trl": "dppo_trl.cli:main"}
     assert (meta["Name"], meta["Version"]) == (DIST_NAME, version)
     assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
     assert meta["Description-Content-Type"] == "text/markdown"
@@ -301,10 +307,10 @@ def test_distributions(tmp_path):
     extras_only = {
         canonicalize_name(r.name)
         for r in requires
-        if r.marker is not None and re.search(r'extra == "(examples|test)"', str(r.marker))
+        if r.marker is not None and re.search(r'extra == "(examples|test|trackio)"', str(r.marker))
     } - _base_closure(base)
     blocked = sorted(set().union(*map(_import_names, extras_only)) | set(REPO_ONLY_PACKAGES))
-    assert "math_verify" in blocked and "matplotlib" in blocked, blocked
+    assert "math_verify" in blocked and "matplotlib" in blocked and "trackio" in blocked, blocked
     _run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
         env=env,

@@ -574,3 +574,25 @@ def test_async_context_fit_internals():
     params = tuple(inspect.signature(loop._push_rollout_metrics).parameters)
     assert params == trl_contract.ASYNC_PUSH_ROLLOUT_METRICS_PARAMS
     assert trl_contract.ASYNC_COUNTER_METRIC_FRAGMENT in inspect.getsource(_async_module())
+
+
+def test_cli_uses_trls_parser_presets_rewards_and_vllm_serve():
+    """What `dppo-trl` takes from TRL's CLI: the parser's remaining-strings split, the presets, the reward names and
+    `trl vllm-serve`'s parser, fields and launcher."""
+    from importlib import resources
+
+    import trl.rewards
+    from trl import TrlParser
+    from trl.scripts import vllm_serve
+
+    params = list(inspect.signature(TrlParser.parse_args_and_config).parameters)
+    assert params[1:] == list(trl_contract.CLI_PARSER_PARAMETERS), params
+    presets = {p.name for p in resources.files("trl.accelerate_configs").iterdir()}
+    assert {f"{name}.yaml" for name in trl_contract.CLI_ACCELERATE_PRESETS} <= presets, presets
+    for name in trl_contract.CLI_BUNDLED_REWARDS:
+        assert callable(getattr(trl.rewards, name)), name
+    fields = {f.name for f in dataclasses.fields(vllm_serve.ScriptArguments)}
+    assert set(trl_contract.CLI_VLLM_SERVE_FIELDS) <= fields, set(trl_contract.CLI_VLLM_SERVE_FIELDS) - fields
+    for name in trl_contract.CLI_VLLM_SERVE_FUNCTIONS:
+        assert callable(getattr(vllm_serve, name)), name
+    assert list(inspect.signature(vllm_serve.main).parameters) == ["script_args", "extra_args"]
