@@ -80,6 +80,8 @@ DECISIONS = {
     ".venv/bin/python benchmarks/async_vs_sync.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/async_topk_cost.py": Covered("tests/system/test_benchmarks.py"),
     ".venv/bin/python benchmarks/tree_attention.py": Covered("tests/system/test_benchmarks.py"),
+    # Its sabotage (`EngineReloadSabotage`) and trainer runs, two steps, in the test against the same engine.
+    ".venv/bin/python benchmarks/sync_mismatch.py": Covered("tests/integration/test_sync_sabotage.py"),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")
