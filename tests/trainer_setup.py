@@ -56,6 +56,8 @@ def small_config(output_dir, **overrides) -> DPPOConfig:
         learning_rate=1e-2,
         logging_steps=1,
         seed=0,
+        # Every trainer test checks each weight sync and fails if one trips: a clean run never does.
+        sync_mismatch_action="raise",
     )
     values.update(overrides)
     return DPPOConfig(**values)

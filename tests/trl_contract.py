@@ -120,6 +120,18 @@ GENERATE_SINGLE_TURN_FRAGMENTS = (
     "_, completion_ids, logprobs, _ = self.vllm_generation.generate(",
     "logprobs = [[lp[0] for lp in seq] for seq in logprobs]",
 )
+# The weight-sync check (dppo_trl/trainers/sync_check.py): GRPOTrainer loads the trainer's weights into the engine
+# before a generation whenever the optimizer step changed, and records that step in `_last_loaded_step` (set in its
+# `__init__`), on every process; DPPOTrainer reads it after each training generation to know which optimizer step's
+# weights sampled the batch, so that only that step's loss calls count as fresh. Checked in `_generate_single_turn`
+# and in `_generate` (the `rollout_func` path). Removed by: the generation batch carrying the step of the weights
+# that sampled it (docs/upstream.md, "The step of the weights that sampled a generation batch").
+WEIGHT_SYNC_ATTRIBUTE = "_last_loaded_step"
+WEIGHT_SYNC_FRAGMENTS = (
+    "self.state.global_step != self._last_loaded_step:",
+    "self.vllm_generation.sync_weights()",
+    "self._last_loaded_step = self.state.global_step",
+)
 # Top-K DPPO with tools (`dppo_trl/trainers/vllm_topk.py`, `place_turns`): every generate call returns one prompt per
 # completion, as the engine saw it (colocate: `n=1` per request; server: unique prompts expanded back), and the tool
 # loop builds a later turn's prompt by concatenation, regenerates the rows that called a tool in increasing row order,
@@ -325,7 +337,8 @@ ROLLOUT_SAMPLE_FIELDS = ("model_version", "metrics")
 ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics")
 # The only AsyncGRPOTrainer methods that write `self.model_version`: none runs inside an optimizer step (the syncs run
 # from callbacks at train begin and step end, the resume before training), so `_policy_version()` reads it once per
-# step. → a version in the batch (the trainer would not read it at all).
+# step. The weight-sync check reads a changed version as "a sync published it since the last step", so the step it
+# sees it at is the first after that sync. → a version in the batch (the trainer would not read it at all).
 ASYNC_MODEL_VERSION_WRITERS = ("__init__", "_sync_weight_merged", "_sync_weight_lora", "_inner_training_loop")
 # CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
 # kwargs (dppo_trl.backends.cpu.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.

@@ -211,7 +211,8 @@ def run_one(method: str, seed: int, args: argparse.Namespace, port: int) -> dict
         from mismatch import engine_config_fields, install_weight_mismatch, parse_level
 
         weight_mismatch, engine_mismatch = parse_level(mismatch, seed=getattr(args, "mismatch_seed", 0))
-        engine_fields = engine_config_fields(engine_mismatch)
+        # The induced mismatch is the experiment: the weight-sync check would report it at every generation.
+        engine_fields = {**engine_config_fields(engine_mismatch), "sync_mismatch_action": "off"}
     with tempfile.TemporaryDirectory() as tmp:
         settings = {**training_settings(args), **METHODS[method], **engine_fields}
         config = DPPOConfig(output_dir=tmp, seed=seed, data_seed=seed, **settings)

@@ -29,6 +29,15 @@ def _bucket(staleness: Tensor, shape: torch.Size) -> Tensor:
 
 
 @torch.no_grad()
+def sampled_token_mismatch(view: LossInputs) -> Tensor:
+    """|π − μ| of each sampled token, in probability (float32, detached): π as compared with μ (π_kept under
+    truncated sampling), 0 at tokens that are not counted (`view.counted`)."""
+    pi = view.compared_logps.detach().float()
+    mu = torch.where(view.counted, view.mu_logps.detach().float(), pi)  # no NaN of an uncounted token anywhere
+    return (pi.exp() - mu.exp()).abs()
+
+
+@torch.no_grad()
 def trust_region_stats(
     spec: TrustRegionSpec, view: LossInputs, coef: Tensor, divergence: Tensor, divergence_name: str
 ) -> dict[str, Tensor]:
@@ -52,8 +61,8 @@ def trust_region_stats(
     zero = torch.zeros_like(pi)
     masked = (~(coef > 0)).float() * tokens
     pos, neg = tokens * (adv > 0), tokens * (adv < 0)
-    pi_p, mu_p = pi.exp(), mu.exp()
-    mismatch = (pi_p - mu_p).abs()
+    mu_p = mu.exp()
+    mismatch = sampled_token_mismatch(view)
     log_ratio = pi - mu
     ratio = torch.exp(log_ratio.clamp(max=_LOG_RATIO_METRIC_MAX))
     # binary KL is D itself when it is the configured divergence: no second computation.

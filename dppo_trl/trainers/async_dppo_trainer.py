@@ -48,6 +48,7 @@ from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
+from dppo_trl.core.sync_check import fresh_rollout_sums
 from dppo_trl.hardening.checkpoints import staged_checkpoint
 from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
 from dppo_trl.hardening.training import hardened_training
@@ -63,6 +64,7 @@ from dppo_trl.trainers.config import (
 )
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.sync_check import SyncCheck
 from dppo_trl.trainers.trl116.async_grpo import (
     SAMPLE_VERSION,
     HookedAsyncGRPOTrainer,
@@ -96,8 +98,11 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
     r"""
     Configuration for [`AsyncDPPOTrainer`]: every `trl.experimental.async_grpo.AsyncGRPOConfig` field, plus DPPO's
     trust-region fields with the same meaning, defaults and validation as in [`DPPOConfig`]: `divergence`,
-    `delta_low`, `delta_high`, `divergence_top_k`, `ratio_cap`, `mu_kl_coef`, `anchor`, `trust_region`, `relax_alpha`
-    (see its docstring and docs/api.md).
+    `delta_low`, `delta_high`, `divergence_top_k`, `ratio_cap`, `mu_kl_coef`, `anchor`, `trust_region`, `relax_alpha`,
+    and the weight-sync check `sync_mismatch_threshold`, `sync_mismatch_action` (see its docstring and docs/api.md).
+    Asynchronously the check reads the tokens sampled by the version a sync just published (staleness 0) at the first
+    optimizer step after that sync, before any further update; how many syncs that covers depends on
+    `gradient_accumulation_steps` and `max_staleness` (docs/async.md, "Weight-sync check").
 
     Every divergence works asynchronously; the top-K ones ask the server for `divergence_top_k` log-probs per token
     (the server's `--max-logprobs` must allow it; `python -m dppo_trl.backends.cpu.vllm_server` allows any).
@@ -207,6 +212,11 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
         with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
+        # The check of every weight sync (`dppo_trl/trainers/sync_check.py`), and the policy version (TRL's
+        # `model_version`, bumped by each sync once the weights are published) and optimizer step it last armed.
+        self._sync_check = SyncCheck(args)
+        self._sync_check_version: int | None = None
+        self._sync_check_step: int | None = None
 
     @staticmethod
     def _resolve_tree_attention(args: AsyncDPPOConfig, on_cpu: bool) -> TreeAttentionChoice:
@@ -269,7 +279,26 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
         loss_inputs = self._loss_inputs(inputs, forward)
         outputs = policy_loss(self.trust_region_spec, loss_inputs)
         log_trust_region_metrics(self, outputs.stats, "train")
+        self._check_sync(loss_inputs)
         return outputs.policy_loss if outputs.mu_kl is None else outputs.policy_loss + outputs.mu_kl
+
+    def _check_sync(self, loss_inputs: LossInputs) -> None:
+        """The weight-sync check (`SyncCheck`) on this loss call. The fresh rollout of the sync that published policy
+        version v: the tokens sampled by v (staleness 0) trained at the first optimizer step after that sync, the only
+        step whose weights are still v's. A later step has moved π, and an older sample is another version's."""
+        if not self._sync_check.enabled:
+            return
+        version, step = self._policy_version(), self.state.global_step
+        if version != self._sync_check_version:  # TRL bumps the version only between optimizer steps (pinned)
+            self._sync_check_version, self._sync_check_step = version, step
+        staleness = loss_inputs.staleness
+        self._sync_check.loss_call(
+            self,
+            None if staleness is None else fresh_rollout_sums(loss_inputs, staleness == 0),
+            fresh=self._sync_check_step == step,
+            fresh_tokens=f"the server sampled with policy version {version}, published by the weight sync before "
+            "this step, trained before any further update (staleness 0)",
+        )
 
     def _loss_inputs(self, inputs: dict[str, Any], forward: PolicyForward) -> LossInputs:
         """The core's per-token inputs of one packed row's loss terms, with π at the engine's lists when it has them."""

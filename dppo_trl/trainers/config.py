@@ -12,6 +12,11 @@ from trl import GRPOConfig
 from dppo_trl.core.functional import DEFAULT_DELTAS, DEFAULT_RATIO_CAP, DIVERGENCES
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.core.spec import TrustRegionSpec
+from dppo_trl.core.sync_check import (
+    DEFAULT_SYNC_MISMATCH_THRESHOLD,
+    SYNC_MISMATCH_ACTIONS,
+    check_sync_mismatch_settings,
+)
 
 # vLLM's default `max_logprobs`; TRL's colocate engine does not raise it, so top-K is capped here.
 VLLM_COLOCATE_MAX_LOGPROBS = 20
@@ -108,10 +113,11 @@ def check_sampling(config: Any) -> None:
 
 @dataclass
 class TrustRegionFields:
-    """The trust-region fields `DPPOConfig` and `AsyncDPPOConfig` share, declared once (docs in `DPPOConfig`).
+    """The fields `DPPOConfig` and `AsyncDPPOConfig` share, declared once (docs in `DPPOConfig`): the trust region
+    and the check of each weight sync against μ.
 
-    `trust_region_spec()` validates them into the frozen `TrustRegionSpec` the loss reads; each config calls it in
-    `__post_init__` and keeps the resolved δs.
+    `trust_region_spec()` validates the trust region into the frozen `TrustRegionSpec` the loss reads; each config
+    calls `_resolve_trust_region` in `__post_init__`, which also validates the sync check, and keeps the resolved δs.
     """
 
     divergence: str = field(
@@ -188,6 +194,27 @@ class TrustRegionFields:
         default=0.1,
         metadata={"help": "α of the `relax_*` ablations: tokens whose behavior probability μ is below α are relaxed."},
     )
+    # --- The check of every weight sync (dppo_trl.core.sync_check; docs/api.md, "Weight-sync check") ---
+    sync_mismatch_threshold: float = field(
+        default=DEFAULT_SYNC_MISMATCH_THRESHOLD,
+        metadata={
+            "help": "On the first optimizer step after each weight sync, the mean |π − μ| (probability of the "
+            "sampled token) over the fresh rollout's loss tokens, logged as `dppo/sync_mismatch`, is compared with "
+            "this threshold. A sync that reached the engine leaves only its rounding (measured: ~1e-6 fp32, "
+            "≤ 3.3e-3 with a bf16 engine, up to 0.025 for a bf16 LoRA run at lr 3e-2); a failed one measured 0.06 to "
+            f"0.8. Default {DEFAULT_SYNC_MISMATCH_THRESHOLD}. A number in (0, 1). Only where μ is the engine's "
+            "(vLLM, `anchor='behavior'`)."
+        },
+    )
+    sync_mismatch_action: str = field(
+        default="warn",
+        metadata={
+            "help": "What a weight sync whose `dppo/sync_mismatch` exceeds `sync_mismatch_threshold` does: `warn` "
+            "(default: a `SyncMismatchWarning` naming the likely causes), `raise` (a `SyncMismatchError` before that "
+            "step's optimizer update, naming the last complete checkpoint), `off` (not computed, not logged).",
+            "choices": list(SYNC_MISMATCH_ACTIONS),
+        },
+    )
 
     def trust_region_spec(self) -> TrustRegionSpec:
         """The validated, frozen spec of these fields (δs resolved) that the loss reads."""
@@ -200,6 +227,7 @@ class TrustRegionFields:
         spec = self.trust_region_spec()
         self.delta_low, self.delta_high = spec.delta_low, spec.delta_high
         check_sampling(self)
+        check_sync_mismatch_settings(self.sync_mismatch_threshold, self.sync_mismatch_action)
 
 
 @dataclass
@@ -255,6 +283,16 @@ class DPPOConfig(TrustRegionFields, GRPOConfig):
             `clip_higher`, `cispo`, `pg_is`, `minirl`, `dppo_decoupled`, `relax_low`/`relax_high`/`relax_both`.
         relax_alpha (`float`, *optional*, defaults to `0.1`):
             α of the `relax_*` ablations: tokens with μ < α are relaxed.
+
+        > Parameters for the weight-sync check (docs/api.md, "Weight-sync check")
+
+        sync_mismatch_threshold (`float`, *optional*, defaults to `0.05`):
+            On the first optimizer step after each weight sync, the fresh rollout's mean |π − μ| (logged as
+            `dppo/sync_mismatch`) above which the sync is reported: the engine is then not computing with the
+            trainer's weights. In (0, 1). Measured floors: ~1e-6 (fp32), ≤ 3.3e-3 (bf16 engine).
+        sync_mismatch_action (`str`, *optional*, defaults to `"warn"`):
+            `warn` (a `SyncMismatchWarning`), `raise` (a `SyncMismatchError` before that step's update) or `off`.
+            Only where μ is the engine's (vLLM and `anchor="behavior"`).
 
         > Parameters for faults
 

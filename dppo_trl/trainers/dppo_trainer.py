@@ -35,6 +35,7 @@ from dppo_trl.backends.http import bound_server_requests
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, policy_loss
 from dppo_trl.core.metrics import observer_record
+from dppo_trl.core.sync_check import fresh_rollout_sums
 from dppo_trl.hardening.checkpoints import GenerationCycleResumeCheck, staged_checkpoint
 from dppo_trl.hardening.distributed import check_distributed_setup
 from dppo_trl.hardening.inputs import check_trainer_inputs
@@ -51,6 +52,7 @@ from dppo_trl.kernels.topk_logps import LogitTransform, chunked_topk_logps
 from dppo_trl.trainers.config import DPPOConfig, sampling_truncation, truncates_sampling
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
+from dppo_trl.trainers.sync_check import SyncCheck
 from dppo_trl.trainers.trl116.context_fit import ContextFit, fit_client_to_context, fit_engine_to_context
 from dppo_trl.trainers.trl116.grpo import HookedGRPOTrainer, PolicyPass, PolicyTerms
 from dppo_trl.trainers.vllm_topk import VLLMTopKCapture
@@ -115,6 +117,12 @@ class DPPOTrainer(HookedGRPOTrainer):
         self.add_callback(GenerationCycleResumeCheck())  # warns when a resume lands inside a generation batch
 
         self.trust_region_spec = self.args.trust_region_spec()
+        # The check of every weight sync (`dppo_trl/trainers/sync_check.py`): only where μ is the engine's; with
+        # transformers generation there is no engine, and `anchor="recompute"` anchors on the trainer's own π_old.
+        self._sync_check = SyncCheck(self.args, engine_mu=self.args.use_vllm and self.args.anchor == "behavior")
+        # The optimizer step whose weights sampled the training batch being consumed (TRL syncs the engine before a
+        # generation whenever the step changed); `None` before the first generation.
+        self._rollout_weights_step: int | None = None
         # Research hooks: each is called with the per-token tensors of every loss call (`_log_trust_region`).
         self.trust_region_observers: list = []
         self._vllm_topk: VLLMTopKCapture | None = None
@@ -206,6 +214,10 @@ class DPPOTrainer(HookedGRPOTrainer):
             self._vllm_topk.reset()
         self._context_fit.reset()
         output = super()._generate_and_score_completions(inputs)
+        if self.model.training and self._sync_check.enabled:
+            # GRPOTrainer loads the trainer's weights into the engine before generating whenever the optimizer step
+            # changed, and records that step (`_last_loaded_step`, pinned in tests/trl_contract.py).
+            self._rollout_weights_step = self._last_loaded_step
         self._log_context_fit()
         mask = (
             output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
@@ -406,6 +418,18 @@ class DPPOTrainer(HookedGRPOTrainer):
             for observer in self.trust_region_observers:
                 observer(record)
         log_trust_region_metrics(self, outputs.stats, mode)
+        if mode == "train":
+            step = self.state.global_step
+            # Fresh: sampled by the weights synced at this step, which no optimizer update has changed since (with
+            # steps_per_generation > gradient_accumulation_steps or num_iterations > 1, later steps reuse the batch).
+            fresh = self._rollout_weights_step == step
+            self._sync_check.loss_call(
+                self,
+                fresh_rollout_sums(inputs) if fresh else None,
+                fresh=fresh,
+                fresh_tokens=f"vLLM sampled right after the weight sync that opened this step (the trainer's "
+                f"weights after step {step}), trained before any optimizer update",
+            )
 
     def _engine_list_view(self, batch: dict, hidden, pi_logps: torch.Tensor, valid: torch.Tensor) -> EngineListView:
         """π at the engine's listed ids of this batch: μ's top-K lists, or the kept set's (truncated sampling)."""

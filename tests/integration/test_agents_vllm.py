@@ -82,6 +82,7 @@ def _trainer(tmp_path, divergence: str, **overrides) -> DPPOTrainer:
         divergence=divergence,
         divergence_top_k=K,
         log_completions=False,
+        sync_mismatch_action="raise",  # a clean run, tools included, never trips the weight-sync check
     )
     values.update(overrides)
     return DPPOTrainer(
@@ -190,6 +191,9 @@ def test_tool_calls_mu_is_the_engines_at_every_model_token(tmp_path, master_port
         logged(trainer, "dppo/invalid_behavior_ratio")
     )
     assert len(logged(trainer, "loss")) == 2
+    # Each step's sync was checked over model tokens (tool results excluded), below fp32 rounding's bound.
+    sync = logged(trainer, "dppo/sync_mismatch")
+    assert len(sync) == 2 and all(v < FRESH_MISMATCH for v in sync), sync
 
 
 # Truncated sampling across tool turns: each turn's processed lists (N entries) are placed at the tokens that turn
@@ -249,6 +253,7 @@ def test_truncated_sampling_with_tools_pi_kept_matches_mu(tmp_path, master_port,
         f"{int(tool_tokens.sum())} tool tokens); overflow ratio {ratio}"
     )
     assert kept < FRESH_MISMATCH and kept_after < FRESH_MISMATCH
+    assert logged(trainer, "dppo/sync_mismatch") == [pytest.approx(kept, rel=1e-4, abs=1e-9)]
     assert full > 100 * kept and full > 1e-3  # the full softmax's bias, as without the kept set
     assert logged(trainer, "dppo/mask_ratio") == [0.0]
     assert ratio == [pytest.approx(overflow.sum().item() / model_tokens.sum().item())]

@@ -100,6 +100,7 @@ def _train(tmp_path, url, loss_calls: list | None = None, **kwargs):
         per_device_train_batch_size=8,
         num_generations=4,
         divergence_top_k=K,
+        sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
     )
     overrides.update(kwargs.pop("config", {}))
     trainer = AsyncDPPOTrainer(
@@ -166,6 +167,9 @@ def test_async_tool_calls_mu_is_the_engines_at_every_trained_token(tmp_path, age
     logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
     assert len(logs) == 2 and all("sample/staleness_max" in entry for entry in logs)
     assert any(entry.get("tools/call_frequency", 0) > 0 for entry in trainer.state.log_history)
+    # The weight-sync check (raising, `_train`) read the cold sync's rollout over model tokens: fp32 rounding.
+    sync = [entry.get("dppo/sync_mismatch") for entry in logs]
+    assert sync[0] is not None and all(v < 1e-4 for v in sync if v is not None), sync
     with_tools = _tool_samples(samples, tokenizer)
     assert with_tools, "no trained row held a sampled tool call and a reply after its result"
     end = tokenizer.convert_tokens_to_ids("</tool_response>")

@@ -3,7 +3,8 @@
 Unit parts: the pure-PyTorch tree attention against SDPA on the unpacked sequences, its scoped registration, the
 config's refusals, and the loss seam's gradient against the parent's own loss (same normalisation). End to end: one
 `python -m dppo_trl.backends.cpu.vllm_server` process serves the module; a binary-TV run (full fine-tuning) and a binary-KL run
-(LoRA, merged sync) train against it with TRL's real rollout worker and the file-based weight transfer.
+(LoRA, merged sync) train against it with TRL's real rollout worker and the file-based weight transfer, and two short
+runs whose transfer is sabotaged (the server keeps stale weights, or one layer) trip the weight-sync check.
 """
 
 from __future__ import annotations
@@ -555,7 +556,8 @@ def _recording_trainer(recorder: _Recorder):
 def _train(tmp_path, server_url, peft_config=None, **overrides):
     recorder = _Recorder()
     RecordingTrainer = _recording_trainer(recorder)
-    args = _config(tmp_path, vllm_server_base_url=server_url, **overrides)
+    # Every end-to-end run checks each weight sync and fails if one trips: a clean run never does.
+    args = _config(tmp_path, vllm_server_base_url=server_url, **{"sync_mismatch_action": "raise", **overrides})
     trainer = RecordingTrainer(
         model=TINY_MODEL,
         reward_funcs=byte_mean_reward,
@@ -598,7 +600,13 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     """Staleness > 0 happens and is logged per bucket; μ of up-to-date samples equals π (the server sampled with the
     trainer's weights); the mask fires only on stale samples (small δ); the final weights reach the server."""
     trainer, recorder = _train(
-        tmp_path, server_url, max_steps=4, max_staleness=2, delta_low=0.05, delta_high=0.05, divergence="binary_tv"
+        tmp_path,
+        server_url,
+        max_steps=4,
+        max_staleness=2,
+        delta_low=0.05,
+        delta_high=0.05,
+        divergence="binary_tv",
     )
     assert trainer.tree_attention_choice.name == "sdpa"  # the default on CPU: every step below ran it
     logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
@@ -611,6 +619,10 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     fresh = [(pi - mu).abs()[s == 0] for pi, mu, s in recorder.calls if (s == 0).any()]
     assert fresh, "no up-to-date sample was trained on"
     assert torch.cat(fresh).max().item() < FRESH_MISMATCH
+    # The weight-sync check read the cold sync's rollout at step 1 (all of it version 1), and each later sync whose
+    # first step trained a sample of the version it published.
+    sync_checks = [entry.get("dppo/sync_mismatch") for entry in logs]
+    assert sync_checks[0] is not None and all(v < FRESH_MISMATCH for v in sync_checks if v is not None)
     # The mask (δ = 0.05) never fires on up-to-date samples and does fire once the policy has moved on.
     assert all(entry.get("dppo/staleness_0/mask_ratio", 0.0) == 0.0 for entry in logs)
     assert max(entry["dppo/mask_ratio"] for entry in logs) > 0.0
@@ -621,6 +633,79 @@ def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     token_ids, server_logps = _server_logps(server_url, prompt_ids, 6)
     pi = _policy_logps(trainer.model, prompt_ids, token_ids)
     assert (pi - torch.tensor(server_logps)).abs().max().item() < FRESH_MISMATCH
+
+
+class _SabotagedTransfer(FileWeightTransfer):
+    """The file transfer with its second send (the sync after step 1) leaving the server stale (nothing is posted) and
+    its third (after step 2) loading every tensor but one layer's: that layer keeps its values of the first send."""
+
+    def __init__(self, server_url: str):
+        from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+        super().__init__(VLLMClient(server_url, SERVER_START_TIMEOUT), SERVER_START_TIMEOUT)
+        self.sends = 0
+
+    def send_weights(self, iterator) -> None:
+        self.sends += 1
+        if self.sends == 2:
+            for _ in iterator:  # the trainer streamed its weights; none reach the server
+                pass
+            return None
+        if self.sends == 3:
+            iterator = ((name, t) for name, t in iterator if "model.layers.0." not in name)
+        return super().send_weights(iterator)
+
+
+def test_sabotaged_syncs_trip_the_check_on_the_first_step_after_each(tmp_path, server_url):
+    """Each step after the first trains, in its second micro-batch, samples of the version the previous step's sync
+    published (the first micro-batch was fetched before that sync: accelerate's dataloader reads one ahead), with
+    the weights that sync published: `max_staleness=0` drops every older sample. Step 1 follows the clean cold sync;
+    step 2 a sync that left the server stale (action "warn": training goes on); step 3 a sync that left one layer
+    behind, with the action switched to "raise" after step 2 (both actions from one rollout worker): a typed error
+    before step 3's update, the worker stopped, the server healthy (so not reported as a server failure)."""
+    from transformers import TrainerCallback
+
+    from dppo_trl import AsyncDPPOTrainer
+    from dppo_trl.core.sync_check import DEFAULT_SYNC_MISMATCH_THRESHOLD, SyncMismatchError, SyncMismatchWarning
+
+    class RaiseFromStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                args.sync_mismatch_action = "raise"
+
+    transfer = _SabotagedTransfer(server_url)
+    args = _config(
+        tmp_path,
+        vllm_server_base_url=server_url,
+        max_steps=3,
+        max_staleness=0,
+        gradient_accumulation_steps=2,
+        sync_mismatch_action="warn",
+    )
+    trainer = AsyncDPPOTrainer(
+        model=TINY_MODEL,
+        reward_funcs=byte_mean_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=_tokenizer(),
+        weight_transfer=transfer,
+        callbacks=[RaiseFromStep3()],
+    )
+    with (
+        pytest.warns(SyncMismatchWarning, match="optimizer step 2") as warned,
+        pytest.raises(SyncMismatchError) as caught,
+    ):
+        trainer.train()
+    error = caught.value
+    values = [entry["dppo/sync_mismatch"] for entry in trainer.state.log_history if "dppo/sync_mismatch" in entry]
+    print(f"async: dppo/sync_mismatch step 1 (clean), 2 (stale): {values}; step 3 (one layer left): {error.value:.4g}")
+    assert transfer.sends == 3 and len(values) == 2
+    assert values[0] < FRESH_MISMATCH and values[1] > DEFAULT_SYNC_MISMATCH_THRESHOLD
+    assert len([w for w in warned if issubclass(w.category, SyncMismatchWarning)]) == 1
+    assert error.step == 3 and trainer.state.global_step == 2 and error.value > DEFAULT_SYNC_MISMATCH_THRESHOLD
+    assert "policy version 3" in str(error) and error.checkpoint is None and "No checkpoint was saved" in str(error)
+    assert trainer.rollout_worker._process is None  # TRL stopped the worker on the way out
+    assert requests.get(server_url + "/health", timeout=5).status_code == 200
 
 
 def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):

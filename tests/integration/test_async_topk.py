@@ -316,6 +316,7 @@ def test_async_topk_tv_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
             max_staleness=2,
             divergence="topk_tv",
             divergence_top_k=K,
+            sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
         ),
         train_dataset=_dataset(),
         processing_class=_tokenizer(),
@@ -337,6 +338,9 @@ def test_async_topk_tv_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
     assert listed[:, 1:].any(), "the server returned no top-K entries besides the sampled token"
     assert torch.equal(listed, torch.isfinite(pi))
     assert (pi[listed] - mu[listed]).abs().max().item() < FRESH_MISMATCH
+    # The weight-sync check (raising) read the cold sync's rollout at step 1, at fp32 rounding.
+    sync = [entry.get("dppo/sync_mismatch") for entry in logs]
+    assert sync[0] is not None and all(v < FRESH_MISMATCH for v in sync if v is not None), sync
 
 
 def _multi_turn_sample(index: int, ids: list[int], mask: list[int], advantage: float):
@@ -468,6 +472,7 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url, case):  # noq
             kept_set_logprobs=kept_set_logprobs,
             delta_low=0.01,
             delta_high=0.01,
+            sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
         ),
         train_dataset=math_prompt_dataset(),
         processing_class=_tokenizer(),
@@ -504,6 +509,8 @@ def test_async_truncated_sampling_end_to_end(tmp_path, server_url, case):  # noq
     assert kept.mean().item() < FRESH_MISMATCH
     assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
     assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
+    sync = [entry["dppo/sync_mismatch"] for entry in trainer.state.log_history if "dppo/sync_mismatch" in entry]
+    assert sync and all(v < FRESH_MISMATCH for v in sync), sync  # π_kept, as the check reads it (raising)
     if kept_set_logprobs == 3:
         assert overflow > 0 and any(r > 0 for r in ratios), "no position overflowed a 3-entry list"
 

@@ -303,3 +303,5 @@ def test_first_generation_already_samples_from_perturbed_weights(trainer):
     (fresh,) = [h["dppo/mismatch_abs_mean"] for h in trainer.state.log_history if "dppo/mismatch_abs_mean" in h]
     # Off, this is fp32 parity (~1e-7); the calibration for noise=0.5 gives a few 1e-2 on this model.
     assert fresh > 1e-3
+    # The weight-sync check reads exactly this engine-side mismatch at the first step after the sync.
+    assert [h["dppo/sync_mismatch"] for h in trainer.state.log_history if "dppo/sync_mismatch" in h] == [fresh]

@@ -114,6 +114,10 @@ def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora
     assert logged(trainer, "dppo/invalid_behavior_logps") == [0.0] * len(
         logged(trainer, "dppo/invalid_behavior_logps")
     )
+    # Each step generates, so each is the first after a sync: checked (and raising on a trip, `small_config`), at
+    # fp32 rounding.
+    sync = logged(trainer, "dppo/sync_mismatch")
+    assert len(sync) == 2 and all(v < 1e-4 for v in sync), sync
 
 
 def _sampled_entries(request_outputs):

@@ -72,6 +72,8 @@ def _fresh_rollout(model, tmp_path, **config):
     counted = record["valid"]
     mu = record["mu_logps"][counted].exp()
     kept = (record["pi_logps"][counted].exp() - mu).abs().mean().item()
+    # The weight-sync check reads the same π_kept (and raises on a trip, `small_config`).
+    assert logged(trainer, "dppo/sync_mismatch") == [pytest.approx(kept, rel=1e-4, abs=1e-9)]
     full = (record["pi_full_logps"][counted].exp() - mu).abs().mean().item()
     return trainer, record, kept, full
 

@@ -99,6 +99,8 @@ DECISIONS = {
     ".venv/bin/python benchmarks/memory_plan.py --recipe examples/recipes/qwen3_30b_a3b_base_lora_dapo_math.yaml": Covered(
         "tests/system/test_benchmarks.py"
     ),
+    # Its sabotage (`EngineReloadSabotage`) and trainer runs, two steps, in the test against the same engine.
+    ".venv/bin/python benchmarks/sync_mismatch.py": Covered("tests/integration/test_sync_sabotage.py"),
     # docs/recipes.md
     ".venv/bin/python examples/train_dapo_math.py --save_strategy steps --save_steps 25 --output_dir outputs/run1": Run(
         (*TRAIN_SHRINK, "--save_steps", "2")

@@ -119,6 +119,18 @@ def test_vllm_generation_contract():
         assert fragment in single_turn, f"GRPOTrainer._generate_single_turn changed: missing {fragment!r}"
 
 
+def test_engine_weights_are_synced_before_each_generation_of_a_new_step():
+    """The weight-sync check's notion of a fresh batch: GRPOTrainer syncs the engine whenever the optimizer step
+    changed and then records the step, on both generation paths; `__init__` starts the record at -1."""
+    assert f"self.{trl_contract.WEIGHT_SYNC_ATTRIBUTE} = -1" in inspect.getsource(GRPOTrainer.__init__)
+    condition, sync, record = trl_contract.WEIGHT_SYNC_FRAGMENTS
+    for method in (GRPOTrainer._generate_single_turn, GRPOTrainer._generate):  # `_generate`: the rollout_func path
+        source = inspect.getsource(method)
+        for fragment in (condition, sync, record):
+            assert fragment in source, f"GRPOTrainer.{method.__name__} changed: missing {fragment!r}"
+        assert source.index(condition) < source.index(sync) < source.index(record)
+
+
 def test_tool_loop_contract_for_topk_placement():
     source = inspect.getsource(vllm_generation.VLLMGeneration.generate)
     for fragment in trl_contract.VLLM_GENERATE_PROMPT_FRAGMENTS:

@@ -74,6 +74,7 @@ def build_config(args: argparse.Namespace) -> DPPOConfig:
         seed=0,
         steps_per_generation=args.steps_per_generation,
         gradient_checkpointing=False,
+        sync_mismatch_action="raise",  # each sync checked over every rank's fresh tokens (one collective)
     )
     if args.delta is not None:
         values.update(delta_low=args.delta, delta_high=args.delta)

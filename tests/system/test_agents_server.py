@@ -130,6 +130,7 @@ def test_environment_on_server_mu_is_the_samplers(tmp_path, server_port, diverge
         learning_rate=1e-3,
         logging_steps=1,
         seed=0,
+        sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
         use_vllm=True,
         vllm_mode="server",
         vllm_server_host="127.0.0.1",
@@ -189,6 +190,7 @@ def test_truncated_sampling_with_environment_on_server(tmp_path, server_port):
         learning_rate=1e-3,
         logging_steps=1,
         seed=0,
+        sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
         use_vllm=True,
         vllm_mode="server",
         vllm_server_host="127.0.0.1",
@@ -290,6 +292,7 @@ def test_turns_that_outgrow_the_servers_context_end_the_rollout_not_training(tmp
         learning_rate=1e-3,
         logging_steps=1,
         seed=0,
+        sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
         use_vllm=True,
         vllm_mode="server",
         vllm_server_host="127.0.0.1",

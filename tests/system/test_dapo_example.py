@@ -220,6 +220,10 @@ def test_vllm_colocate_run_evaluates_k_samples_per_problem(example, tmp_path, ma
     trainer = example.main(*example.parse_args(argv + ["--output_dir", str(tmp_path)]))
     evals = [e for e in trainer.state.log_history if "eval/tiny_math_test/avg@3" in e]
     assert [e["step"] for e in evals] == [0, 1, 2]  # before training, after each step (the end is step 2)
+    # The evaluation before step 1 synced the engine, so step 1's generation did not; its rollout is still fresh
+    # (checked, at the bf16 floor), step 2 reuses it (not checked).
+    train = [e for e in trainer.state.log_history if "dppo/mask_ratio" in e]
+    assert [e["step"] for e in train if "dppo/sync_mismatch" in e] == [1] and train[0]["dppo/sync_mismatch"] < 0.05
     for e in evals:
         assert 0.0 <= e["eval/tiny_math_test/avg@3"] <= e["eval/tiny_math_test/pass@3"] <= 1.0
         assert 0 < e["eval/tiny_math_test/mean_length"] <= trainer.args.max_completion_length

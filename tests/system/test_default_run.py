@@ -191,6 +191,8 @@ def test_default_run_masks_tokens_on_the_real_engine(default_run):
     assert max(e["dppo/mask_ratio"] for e in logs[1:]) > 0  # the trust region acts on the drifted steps
     fresh, drifted = logs[0]["dppo/mismatch_abs_mean"], max(e["dppo/mismatch_abs_mean"] for e in logs[1:])
     assert drifted > fresh
+    # The weight-sync check reads the rollout's first step (the only one after its sync), never the drifted ones.
+    assert [e.get("dppo/sync_mismatch") for e in logs] == [pytest.approx(fresh), None, None, None]
     if engine_dtype == "bfloat16":
         assert 0 < fresh < 0.05  # bf16 engine vs fp32 trainer: a small, non-zero mismatch before any update
     else:

@@ -117,6 +117,13 @@ def _assert_fresh_mismatch(results: list[dict], steps_per_generation: int) -> No
         assert len(fresh) >= 2, "need a sync after training, not only the initial weights"
         for step, record in fresh.items():
             assert record["mismatch_abs_max"] <= FRESH_MISMATCH_MAX, (result["rank"], step, record)
+        # The weight-sync check (raising, `multiprocess_train.py`) ran on exactly these steps, over both ranks' fresh
+        # tokens: with one loss call per step that is the step's reduced mean |π − μ|.
+        for step, entry in _step_logs(result).items():
+            if (step - 1) % steps_per_generation == 0:
+                assert entry["dppo/sync_mismatch"] == pytest.approx(entry["dppo/mismatch_abs_mean"], rel=1e-5), step
+            else:
+                assert "dppo/sync_mismatch" not in entry, step
 
 
 def test_two_ranks_transformers_generation(tmp_path, tiny_model_dir):

@@ -202,6 +202,12 @@ def _assert_synced_and_moving(history: list[dict], steps_per_generation: int) ->
     # would see at least this much. The largest between-sync step shows it; any single one may barely move (a
     # micro-batch whose groups all share one reward has zero advantages: CI saw 8.9e-4 next to 0.82).
     assert max(stale) > 10 * FRESH_MISMATCH, stale
+    # The weight-sync check (raising, `small_config`) ran at each generation's first step, and only there.
+    for entry in (e for e in history if "dppo/mismatch_abs_max" in e):
+        if (entry["step"] - 1) % steps_per_generation == 0:
+            assert entry["dppo/sync_mismatch"] <= FRESH_MISMATCH, entry
+        else:
+            assert "dppo/sync_mismatch" not in entry, entry
     for key in ("loss", "dppo/mask_ratio", "dppo/divergence_mean", "dppo/ratio_max", "dppo/mismatch_abs_max"):
         values = [e[key] for e in history if key in e]
         assert values and all(math.isfinite(v) for v in values), key
