@@ -1,9 +1,11 @@
 """Contract tests: the TRL internals listed in `tests/trl_contract.py` still look the way DPPOTrainer expects."""
 
+import ast
 import dataclasses
 import importlib
 import inspect
 import re
+import textwrap
 
 import pytest
 import torch
@@ -25,16 +27,10 @@ def test_installed_trl_is_in_the_tested_range():
 
 @pytest.mark.parametrize("name", sorted(trl_contract.OVERRIDDEN_METHODS))
 def test_overridden_methods_exist_with_expected_parameters(name):
-    parent = inspect.getattr_static(GRPOTrainer, name)
     params = list(inspect.signature(getattr(GRPOTrainer, name)).parameters)
     expected = trl_contract.OVERRIDDEN_METHODS[name]
     assert params[: len(expected)] == list(expected), f"GRPOTrainer.{name} signature changed: {params}"
     assert name in _own_overrides(), f"DPPOTrainer no longer overrides {name}: update trl_contract.py"
-    if name in trl_contract.STATIC_METHODS:
-        assert isinstance(parent, staticmethod), f"GRPOTrainer.{name} is no longer a staticmethod"
-        assert isinstance(inspect.getattr_static(DPPOTrainer, name), staticmethod), (
-            f"DPPOTrainer.{name} must stay static"
-        )
 
 
 def _own_overrides() -> set[str]:
@@ -59,20 +55,25 @@ def test_dppo_overrides_only_the_listed_seams():
 
 @pytest.mark.parametrize("name", sorted(trl_contract.HARDENING_OVERRIDDEN_METHODS))
 def test_both_trainers_override_the_hardening_methods(name):
-    """The hardening is one piece (dppo_trl/hardening/) wired into the same methods of both trainers."""
+    """The hardening is one piece (dppo_trl/hardening/) wired into the same methods of both trainers, once (the
+    rooms' common base)."""
     from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
+    from dppo_trl.trainers.trl116.common import CommonRoom
 
     expected = list(trl_contract.HARDENING_OVERRIDDEN_METHODS[name])
     for parent, trainer in ((GRPOTrainer, DPPOTrainer), (_async_module().AsyncGRPOTrainer, AsyncDPPOTrainer)):
         params = list(inspect.signature(getattr(parent, name)).parameters)
         assert params[: len(expected)] == expected, f"{parent.__name__}.{name} signature changed: {params}"
-        assert name in trainer.__dict__, f"{trainer.__name__} no longer overrides {name}: update trl_contract.py"
+        assert name in CommonRoom.__dict__ and CommonRoom in trainer.__mro__, (
+            f"{trainer.__name__}: update trl_contract"
+        )
 
 
 def test_compute_loss_source_keeps_the_composition_points():
     source = inspect.getsource(GRPOTrainer._compute_loss)
     for fragment in trl_contract.COMPUTE_LOSS_FRAGMENTS:
         assert fragment in source, f"GRPOTrainer._compute_loss changed: missing {fragment!r}"
+    assert source.count("self._get_per_token_logps_and_entropies(") == 1, "GRPOTrainer's loss makes one policy pass"
 
 
 def test_compute_loss_source_keeps_the_aggregation_the_mu_kl_term_reproduces():
@@ -324,9 +325,8 @@ def test_async_overridden_methods_keep_their_signatures():
     from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
 
     parent = _async_module().AsyncGRPOTrainer
-    # AsyncDPPOTrainer, then its TRL 1.16 room (`HookedAsyncGRPOTrainer`), then TRL's trainer.
-    assert AsyncDPPOTrainer.__mro__[2] is parent
-    own = AsyncDPPOTrainer.__mro__[:2]
+    # AsyncDPPOTrainer, its shared loss and its TRL 1.16 room (`HookedAsyncGRPOTrainer` and its common base), then TRL's.
+    own = AsyncDPPOTrainer.__mro__[: AsyncDPPOTrainer.__mro__.index(parent)]
     for name, params in trl_contract.ASYNC_OVERRIDDEN_METHODS.items():
         assert tuple(inspect.signature(getattr(parent, name)).parameters) == params, name
         assert any(name in cls.__dict__ for cls in own), (
@@ -536,11 +536,11 @@ def test_fault_handling_internals():
 
 
 def test_async_topk_worker_internals():
-    """The rollout-worker internals `dppo_trl.trainers.async_topk` subclasses and reads (top-K in async)."""
+    """The rollout-worker internals `dppo_trl.trainers.trl116.async_topk` subclasses and reads (top-K in async)."""
     import importlib
 
-    from dppo_trl.trainers.async_topk import TopKRolloutSample
     from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
 
     worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
     loop = worker._AsyncRolloutLoop
@@ -583,9 +583,29 @@ def test_async_context_fit_internals():
     source = inspect.getsource(worker)
     for fragment in trl_contract.ASYNC_CONTEXT_WORKER_FRAGMENTS:
         assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
-    params = tuple(inspect.signature(loop._push_rollout_metrics).parameters)
-    assert params == trl_contract.ASYNC_PUSH_ROLLOUT_METRICS_PARAMS
+    for name in trl_contract.ASYNC_LOOP_ATTRIBUTES:
+        assert f"self.{name}" in inspect.getsource(loop.__init__) or isinstance(
+            inspect.getattr_static(loop, name), property
+        ), name
     assert trl_contract.ASYNC_COUNTER_METRIC_FRAGMENT in inspect.getsource(_async_module())
+
+    # `_generate_one` restates TRL's: identical code but for the listed edits (the docstrings and signatures aside).
+    def tokens(snippet: str) -> str:
+        return " ".join(re.findall(r"\w+|[^\w\s]", snippet))
+
+    def body(function) -> str:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+        code = tree.body[1:] if ast.get_docstring(tree) else tree.body
+        return tokens(" ".join(ast.unparse(statement) for statement in code))
+
+    ours = body(ContextFitRolloutLoop._generate_one)
+    for edit, original in trl_contract.ASYNC_GENERATE_ONE_EDITS:
+        assert ours.count(tokens(edit)) == 1, edit
+        ours = ours.replace(tokens(edit), tokens(original))
+    assert ours == body(loop._generate_one), (
+        "_AsyncRolloutLoop._generate_one changed: restate it in ContextFitRolloutLoop (TRL's code with the edits in "
+        "trl_contract.ASYNC_GENERATE_ONE_EDITS)"
+    )
 
 
 def test_cli_uses_trls_parser_presets_rewards_and_vllm_serve():
