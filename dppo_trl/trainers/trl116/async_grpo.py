@@ -175,8 +175,10 @@ class KeepForwardOutputs:
                 "AsyncGRPOTrainer.compute_loss called the model twice; AsyncDPPOTrainer expects one forward per loss "
                 "call (see tests/trl_contract.py)."
             )
-        capture = final_hidden_states(self.hidden_of) if self.hidden_of is not None else None
-        with capture if capture is not None else contextlib.nullcontext([]) as hiddens:
+        capture: contextlib.AbstractContextManager[list[Tensor]] = (
+            final_hidden_states(self.hidden_of) if self.hidden_of is not None else contextlib.nullcontext([])
+        )
+        with capture as hiddens:
             self.outputs = self.model(*args, **kwargs)
         if hiddens:
             self.hidden = hiddens[-1]

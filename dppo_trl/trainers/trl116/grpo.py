@@ -273,7 +273,8 @@ class HookedGRPOTrainer(CommonRoom, GRPOTrainer):
                 (completion_ids.size(0),), self._last_loaded_step, dtype=torch.long, device=completion_ids.device
             )
         if self._vllm_topk is not None:
-            pad_token_id = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
+            processing: Any = self.processing_class
+            pad_token_id = getattr(processing, "tokenizer", processing).pad_token_id
             prompts, lengths = _unpadded_prompts_and_lengths(output, pad_token_id)
             output[SAMPLING_LIST_IDS], output[SAMPLING_LIST_LOGPS] = self._vllm_topk.pop(
                 output["completion_ids"], loss_mask(output), prompts, lengths
@@ -326,8 +327,12 @@ class HookedGRPOTrainer(CommonRoom, GRPOTrainer):
             )
         if call.logps is not None:
             raise RuntimeError("GRPOTrainer's loss ran a second policy pass in one call: see tests/trl_contract.py.")
-        capture = final_hidden_states(self.accelerator.unwrap_model(model)) if call.want_hidden else None
-        with capture if capture is not None else contextlib.nullcontext([]) as hiddens:
+        capture: contextlib.AbstractContextManager[list[Tensor]] = (
+            final_hidden_states(self.accelerator.unwrap_model(model))
+            if call.want_hidden
+            else contextlib.nullcontext([])
+        )
+        with capture as hiddens:
             result = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
