@@ -1,5 +1,5 @@
 """Running the `dppo-trl` console script as a user does, and reading back what trackio stored (tests of the command:
-tests/system/test_cli.py, and the server-mode runs in tests/integration/test_async_dppo.py, which share its server)."""
+tests/system/test_cli_accelerate.py, and the server-mode runs in tests/integration/test_async_dppo.py, which share its server)."""
 
 from __future__ import annotations
 

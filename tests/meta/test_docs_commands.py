@@ -78,7 +78,7 @@ DECISIONS = {
     # The `dppo-trl` command: tests/integration/test_async_dppo.py runs the server-mode forms shrunk (2 steps) against
     # its module's server (started by `dppo-trl vllm-serve`), so the demo runs there in server mode and train-async
     # uses that server instead of starting one (the example's async command below starts one through the same
-    # `dppo_trl.cli.server`); tests/system/test_cli.py runs the 2-process form; tests/unit/test_cli.py checks that
+    # `dppo_trl.cli.server`); tests/system/test_cli_accelerate.py runs the 2-process form; tests/unit/test_cli.py checks that
     # the no-argument demos parse to the tiny recipe's and the async example's settings.
     ".venv/bin/dppo-trl train --config examples/recipes/tiny_math_cpu.yaml --output_dir outputs/tiny-math-cli": Covered(
         "tests/integration/test_async_dppo.py"
@@ -86,7 +86,7 @@ DECISIONS = {
     ".venv/bin/dppo-trl train --accelerate_config multi_gpu --num_processes 2 --main_process_port 29601 "
     "--model_name_or_path examples/tiny_math_model --dataset_name "
     "examples/data/tiny_math/train.jsonl --reward_funcs dapo_math.rewards.accuracy_reward --use_vllm false "
-    "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli.py"),
+    "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli_accelerate.py"),
     ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-cli-async": Covered(
         "tests/integration/test_async_dppo.py"
     ),
