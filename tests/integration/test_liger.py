@@ -19,7 +19,7 @@ import torch
 from peft import LoraConfig
 from trl import GRPOTrainer
 
-from dppo_trl import AsyncDPPOConfig, DPPOConfig
+from dppo_trl import DPPOConfig
 
 EXPERT_LORA = LoraConfig(
     r=2,
@@ -74,6 +74,10 @@ def test_moe_with_router_aux_loss_is_not_refused_for_liger(tiny_moe_model_dir, t
 
 def test_async_config_refuses_liger(tmp_path):
     """TRL's AsyncGRPOTrainer refuses Liger only after loading the model; the config says so first."""
+    # Imported here: the async trainer's CPU backend needs `requests`, which the GPU check's machine lacks, and this
+    # file's gpu tests are collected there.
+    from dppo_trl import AsyncDPPOConfig
+
     with pytest.raises(ValueError, match="use_liger_kernel=True: TRL's AsyncGRPOTrainer.*Set use_liger_kernel=False"):
         AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_liger_kernel=True)
 
