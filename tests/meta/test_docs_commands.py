@@ -356,6 +356,7 @@ def _rewrite(command: str, decision: Run, workdir: Path) -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.no_lane
 def test_documented_commands_run(tmp_path):
     from conftest import get_free_port
 
