@@ -1,7 +1,7 @@
 """Asynchronous DPPO (`AsyncDPPOTrainer` on TRL's experimental `AsyncGRPOTrainer`), for real on CPU.
 
-Unit parts: the pure-PyTorch tree attention against SDPA on the unpacked sequences, its scoped registration, the
-config's refusals, and the loss seam's gradient against the parent's own loss (same normalisation). End to end: one
+Unit parts: the config's refusals, and the loss seam's gradient against the parent's own loss (same normalisation;
+the tree attention itself is tested in tests/unit/test_tree_attention*.py). End to end: one
 `python -m dppo_trl.backends.cpu.vllm_server` process serves the module; a binary-TV run (full fine-tuning) and a binary-KL run
 (LoRA, merged sync) train against it with TRL's real rollout worker and the file-based weight transfer, and two short
 runs whose transfer is sabotaged (the server keeps stale weights, or one layer) trip the weight-sync check.
@@ -23,79 +23,12 @@ from datasets import Dataset
 from train_dapo_math_async import stop_server  # the example's own: SIGTERM, then SIGKILL, to the session
 from trainer_setup import PROMPTS, byte_mean_reward
 
-from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention, tree_attention_cpu
+from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops, cpu_tree_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 SERVER_START_TIMEOUT = 900
 FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Tree attention on CPU
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _packed_row(sequences: list[list[int]]):
-    from trl.experimental.async_grpo.packing import TreeRow
-
-    row = TreeRow()
-    for i, ids in enumerate(sequences):
-        row.add(
-            {
-                "input_ids": torch.tensor(ids),
-                "completion_mask": torch.ones(len(ids), dtype=torch.long),
-                "old_log_probs": torch.zeros(len(ids)),
-                "advantage": 0.0,
-                "group_id": i,
-            }
-        )
-    return row, row.pack()
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_tree_attention_cpu_matches_sdpa_per_sequence(kv_heads):
-    """Shared prefixes forwarded once in the packed row give each sequence exactly its causal SDPA output."""
-    torch.manual_seed(0)
-    sequences = [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9], [1, 2, 6], [4, 4, 4, 4]]
-    _, packed = _packed_row(sequences)
-    heads, dim, n = 4, 8, len(packed["input_ids"])
-    q, k, v = torch.randn(1, heads, n, dim), torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
-    out, _ = tree_attention_cpu(
-        None,
-        q,
-        k,
-        v,
-        None,
-        tree_kv_index=packed["tree_kv_index"],
-        tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
-        tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
-    )
-    for ids in sequences:
-        # Positions of this sequence's tokens in the packed row (DFS layout), in sequence order.
-        order = _packed_positions(packed, ids)
-        qs, ks, vs = q[:, :, order], k[:, :, order], v[:, :, order]
-        ks = ks.repeat_interleave(heads // kv_heads, dim=1)
-        vs = vs.repeat_interleave(heads // kv_heads, dim=1)
-        expected = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2)
-        torch.testing.assert_close(out[:, order], expected, atol=1e-5, rtol=1e-5)
-
-
-def _packed_positions(packed, ids: list[int]) -> list[int]:
-    # A sequence's packed positions are the K/V path of the segment it ends on (its root-to-leaf path).
-    cu_k, kv = packed["tree_cu_seqlens_k"].tolist(), packed["tree_kv_index"].tolist()
-    paths = [kv[cu_k[s] : cu_k[s + 1]] for s in range(len(cu_k) - 1)]
-    return next(p for p in paths if [int(packed["input_ids"][i]) for i in p] == ids)
-
-
-def test_cpu_tree_attention_is_scoped():
-    from transformers import AttentionInterface
-    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention, tree_attention
-
-    register_tree_attention()
-    with cpu_tree_attention():
-        assert AttentionInterface._global_mapping[TREE_ATTENTION] is tree_attention_cpu
-    assert AttentionInterface._global_mapping[TREE_ATTENTION] is tree_attention
 
 
 # ---------------------------------------------------------------------------------------------------------------------
