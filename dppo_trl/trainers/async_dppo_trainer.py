@@ -45,6 +45,7 @@ from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
+from dppo_trl.backends.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, policy_loss
 from dppo_trl.core.registry import TRUST_REGIONS
@@ -53,7 +54,6 @@ from dppo_trl.hardening.checkpoints import staged_checkpoint
 from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
 from dppo_trl.hardening.training import hardened_training
 from dppo_trl.kernels.engine_view import engine_list_view, lm_head, logit_transform
-from dppo_trl.kernels.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
 from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
@@ -261,6 +261,7 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
             dataset_name=dataset_name,
             tags=tags,
             vllm_mode="server",
+            sampling=sampling_truncation(self.args),
             settings=[
                 ("learning_rate", self.args.learning_rate),
                 ("num_generations", self.args.num_generations),

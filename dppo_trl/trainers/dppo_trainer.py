@@ -293,6 +293,7 @@ class DPPOTrainer(HookedGRPOTrainer):
             dataset_name=dataset_name,
             tags=tags,
             vllm_mode=self.args.vllm_mode if self.args.use_vllm else None,
+            sampling=sampling_truncation(self.args),
             settings=[
                 ("loss_type", self.args.loss_type),
                 ("beta", self.args.beta),
@@ -453,6 +454,7 @@ class DPPOTrainer(HookedGRPOTrainer):
                 valid,
                 kept_set=kept,
                 top_k=self.trust_region_spec.divergence_top_k if self.trust_region_spec.uses_top_k else None,
+                gather=maybe_gather_lm_head_ctx,
             )
 
     def _logit_transform(self) -> LogitTransform:

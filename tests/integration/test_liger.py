@@ -181,7 +181,7 @@ def _bound_forward(module):
         # layers; allowed 1e-4 of each parameter gradient's norm.
         pytest.param("float32", 1e-4, id="fp32-weights"),
         # bf16: both paths round to bf16 after every op, at different points (Liger's RMSNorm rounds once after a
-        # float32 computation): a few u = 2^-8 per parameter gradient, as tests/integration/test_loss_gradient.py's bf16
+        # float32 computation): a few u = 2^-8 per parameter gradient, as tests/integration/test_loss_gradient_bf16.py's
         # lanes measure against float64 (≤ 4.8u); allowed 16u.
         pytest.param("bfloat16", 16 * 2.0**-8, id="bf16-weights"),
     ],

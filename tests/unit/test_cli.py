@@ -2,7 +2,7 @@
 launch it hands to accelerate, the CPU server command, and each bad input failing before anything launches or loads.
 
 The runs themselves are in tests/system/test_cli_accelerate.py (2 accelerate processes) and at the end of
-tests/integration/test_async_dppo.py (`train` and `train-async` against `dppo-trl vllm-serve`, trackio read back).
+tests/integration/test_async_server.py (`train` and `train-async` against `dppo-trl vllm-serve`, trackio read back).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     TurnRecord,
 )
 
+from dppo_trl.backends.tree_attention import TreeAttentionChoice, registered_tree_attention
 from dppo_trl.kernels.engine_view import backbone, last_hidden_state
-from dppo_trl.kernels.tree_attention import TreeAttentionChoice, registered_tree_attention
 from dppo_trl.trainers.async_topk import (
     BEHAVIOR_TOPK_IDS,
     BEHAVIOR_TOPK_LOGPS,
