@@ -95,6 +95,7 @@ def _policy_logps(model, prompt_ids: list[int], token_ids: list[int]) -> torch.T
     return logps.gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
+@pytest.mark.vllm
 def test_async_dppo_binary_tv_end_to_end(tmp_path, server_url):
     """Staleness > 0 happens and is logged per bucket; μ of up-to-date samples equals π (the server sampled with the
     trainer's weights); the mask fires only on stale samples (small δ); the final weights reach the server."""
@@ -155,6 +156,7 @@ class _SabotagedTransfer(FileWeightTransfer):
         return super().send_weights(iterator)
 
 
+@pytest.mark.vllm
 def test_sabotaged_syncs_trip_the_check_on_the_first_step_after_each(tmp_path, server_url):
     """Each step after the first trains, in its second micro-batch, samples of the version the previous step's sync
     published (the first micro-batch was fetched before that sync: accelerate's dataloader reads one ahead), with
@@ -207,6 +209,7 @@ def test_sabotaged_syncs_trip_the_check_on_the_first_step_after_each(tmp_path, s
     assert requests.get(server_url + "/health", timeout=5).status_code == 200
 
 
+@pytest.mark.vllm
 def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
     """Binary KL with a LoRA adapter, bf16 weights: trains and logs DPPO metrics; every sync (train begin and each
     step) merged the adapter out of place, so the frozen base is the checkpoint's bit for bit, and the server serves
@@ -246,6 +249,8 @@ def test_async_dppo_binary_kl_lora_end_to_end(tmp_path, server_url):
 U_BF16 = 2.0**-8
 
 
+@pytest.mark.vllm
+@pytest.mark.no_lane  # the same engine path as the fp32 run above, in the trainer's precisions
 @pytest.mark.parametrize(
     "precision",
     [
@@ -471,6 +476,8 @@ ASYNC_RECIPE_SHRINK = ["--model_name_or_path", TINY_MODEL, "--dataset_name",  # 
                        "--save_strategy", "no", "--learning_rate", "3e-4"]  # fmt: skip
 
 
+@pytest.mark.vllm
+@pytest.mark.no_lane
 def test_cli_train_async_recipe_reports_dppo_metrics_to_trackio(server_url, tmp_path):
     output = run_cli(
         tmp_path, "train-async", "--config", ASYNC_RECIPE, *ASYNC_RECIPE_SHRINK, "--vllm_server_base_url", server_url,
@@ -486,6 +493,8 @@ def test_cli_train_async_recipe_reports_dppo_metrics_to_trackio(server_url, tmp_
     assert any(k.startswith("train/dppo/staleness_") and k.endswith("/mask_ratio") for r in rows for k in r), rows
 
 
+@pytest.mark.vllm
+@pytest.mark.no_lane
 def test_cli_train_cpu_recipe_in_server_mode_reports_to_trackio(server_url, tmp_path):
     """`dppo-trl train --config examples/recipes/tiny_math_cpu.yaml` (the demo), flags moving it to the server."""
     port = server_url.rsplit(":", 1)[1]
