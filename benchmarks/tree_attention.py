@@ -18,7 +18,7 @@ Time and peak extra memory of tree attention over one packed row, forward + back
 Implementations (`--variants`):
 
 - `sdpa`: `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (the default off FA3).
-- `eager`: `dppo_trl.backends.cpu.async_cpu.tree_attention_cpu`, float32 score matrices per segment (the CPU path
+- `eager`: `dppo_trl.kernels.tree_attention.tree_attention_cpu`, float32 score matrices per segment (the CPU path
   before `sdpa`).
 - `fa3`: TRL's FlashAttention-3 `tree_attention`, measured only where `fa3_unavailable` finds it loads and runs
   (CUDA, `kernels`, the Hub kernel); elsewhere reported as skipped with the reason.
@@ -184,8 +184,8 @@ def run(args) -> dict:
     import torch
     from trl.experimental.async_grpo import packing
 
-    from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
-    from dppo_trl.kernels.tree_attention import fa3_unavailable, tree_attention_sdpa
+    from dppo_trl.backends.tree_attention import fa3_unavailable
+    from dppo_trl.kernels.tree_attention import tree_attention_cpu, tree_attention_sdpa
 
     device = torch.device(
         "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"

@@ -16,7 +16,7 @@ from dppo_trl.kernels.topk_logps import (
     LogitTransform,
     _acc_dtype,
     _check_inputs,
-    _lm_head_gather_ctx,
+    _head_ctx,
     _low_precision_cuda,
     _no_autocast,
     _raw_logits_tile,
@@ -72,7 +72,7 @@ class _FusedLinearLogpsAtIds(torch.autograd.Function):
         acc = _acc_dtype(compute_dtype)
         log_z = torch.empty((M,), device=device, dtype=acc)
         picked = torch.zeros((M, J), device=device, dtype=acc)
-        with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+        with _no_autocast(device), _head_ctx(weight, bias, None):
             for t0 in range(0, M, token_chunk):
                 t1 = min(t0 + token_chunk, M)
                 n = t1 - t0
@@ -157,7 +157,7 @@ class _FusedLinearLogpsAtIds(torch.autograd.Function):
             if acc_tensor is not None and acc_tensor is not out:
                 out.copy_(acc_tensor)
 
-        with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+        with _no_autocast(device), _head_ctx(weight, bias, None):
             if vocab_outer:
                 gh = accumulator(grad_hidden)
                 for v0, v1 in tiles:

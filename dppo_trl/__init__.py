@@ -4,7 +4,7 @@
 without importing TRL.
 """
 
-__version__ = "0.2.0"
+from dppo_trl._version import __version__
 
 __all__ = ["AsyncDPPOConfig", "AsyncDPPOTrainer", "DPPOConfig", "DPPOTrainer", "__version__"]
 

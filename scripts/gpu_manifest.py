@@ -198,9 +198,12 @@ def machine(folder: str) -> int:
 
 
 def _source_version(root: str, attr: str) -> str:
-    """The string literal behind setup.cfg's `version = attr: pkg.__version__`, read without importing the package."""
+    """The string literal behind setup.cfg's `version = attr: pkg.module.__version__`, read without importing the
+    package (the module is a file, `pkg/module.py`, or a package, `pkg/module/__init__.py`)."""
     module, _, name = attr.rpartition(".")
-    path = os.path.join(root, *module.split("."), "__init__.py")
+    path = os.path.join(root, *module.split(".")) + ".py"
+    if not os.path.isfile(path):
+        path = os.path.join(root, *module.split("."), "__init__.py")
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     for node in tree.body:

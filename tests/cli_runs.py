@@ -1,21 +1,27 @@
 """Running the `dppo-trl` console script as a user does, and reading back what trackio stored (tests of the command:
-tests/system/test_cli.py, and the server-mode runs in tests/integration/test_async_dppo.py, which share its server)."""
+tests/system/test_cli_accelerate.py, and the server-mode runs in tests/integration/test_async_server.py, which share
+the server that module starts with `dppo-trl vllm-serve` through `serving`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DPPO_TRL = str(Path(sys.executable).parent / "dppo-trl")  # the console script the set-up installed
 RUN_TIMEOUT = 900
+SERVER_START_TIMEOUT = 900
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
@@ -51,3 +57,34 @@ def trackio_metrics(tmp_path: Path, project: str) -> list[dict]:
     with sqlite3.connect(path) as db:
         rows = db.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
     return [{"step": step, **json.loads(metrics)} for step, metrics in rows]
+
+
+@contextlib.contextmanager
+def serving(log_path: Path, command: list[str], port: int) -> Iterator[str]:
+    """A vLLM server started by `command` (listening on `port`) in its own session, with this checkout on PYTHONPATH
+    and no API key (TRL's rollout worker sends none): its URL once `/health` answers, the test failed with the log's
+    tail if it exits or stays unhealthy; stopped on the way out with the example's `stop_server` (SIGTERM, then
+    SIGKILL, to the session)."""
+    from train_dapo_math_async import stop_server
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("VLLM_API_KEY", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not healthy:\n{log_path.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop_server(proc)

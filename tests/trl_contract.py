@@ -292,7 +292,7 @@ ASYNC_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "get_train_dataloader": ("self",),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     # The chosen tree attention stays registered through the backward, which reruns the forward under gradient
-    # checkpointing (dppo_trl/kernels/tree_attention.py). → a tree-attention choice in TRL's config.
+    # checkpointing (dppo_trl/backends/tree_attention.py). → a tree-attention choice in TRL's config.
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
     # A LoRA model's merged-weight sync, restated without its in-place merge (`ASYNC_SYNC_MERGED_EDITS`). → the
     # out-of-place walk in TRL's `_sync_weight_merged` (docs/upstream.md, "AsyncGRPOTrainer" item 8).
@@ -340,7 +340,7 @@ ASYNC_TRAINER_ATTRIBUTES = ("model_version", "_metrics")
 # sees it at is the first after that sync. → a version in the batch (the trainer would not read it at all).
 ASYNC_MODEL_VERSION_WRITERS = ("__init__", "_sync_weight_merged", "_sync_weight_lora", "_inner_training_loop")
 # CPU paths: the peak-FLOPs helper the constructor calls through the module-level name; the tree-attention name and
-# kwargs (dppo_trl.backends.cpu.async_cpu.tree_attention_cpu implements the same contract); the weight-transfer protocol.
+# kwargs (dppo_trl.kernels.tree_attention.tree_attention_cpu implements the same contract); the weight-transfer protocol.
 ASYNC_PEAK_FLOPS_SYMBOL = "get_peak_flops_per_device"
 TREE_ATTENTION_NAME = "tree_fa3"
 TREE_ATTENTION_PARAMS = (
@@ -353,7 +353,7 @@ TREE_ATTENTION_PARAMS = (
     "sliding_window",
     "softcap",
 )
-# The tree-attention choice ("auto"/"fa3", dppo_trl/kernels/tree_attention.py) loads TRL's kernel through TRL's own
+# The tree-attention choice ("auto"/"fa3", dppo_trl/backends/tree_attention.py) loads TRL's kernel through TRL's own
 # cached loader and runs TRL's `tree_attention` once before the model is built; `tree_attention` calls that loader, so
 # the kernel that loaded is the one training uses. → a tree-attention choice in TRL's config, checked before the model
 # is built.

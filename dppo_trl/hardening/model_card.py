@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from huggingface_hub import ModelCard
 
-import dppo_trl
+from dppo_trl._version import __version__
 
 # The paper both trainers cite (TRL's card template reads `_paper` of the trainer class).
 DPPO_PAPER = {
@@ -114,7 +114,7 @@ def vllm_version() -> str | None:
 
 def framework_lines(vllm_mode: str | None) -> list[str]:
     """dppo-trl's version, and vLLM's with the mode it ran in (`vllm_mode` None: generation without vLLM)."""
-    lines = [f"- dppo-trl: {dppo_trl.__version__}"]
+    lines = [f"- dppo-trl: {__version__}"]
     if vllm_mode is not None:
         lines.append(f"- vLLM: {vllm_version() or 'unknown'} ({vllm_mode} mode)")
     else:
@@ -189,10 +189,9 @@ def finish_model_card(
     card.save(path)
 
 
-def dppo_card_section(args, trainer_rows: list[tuple[str, object]]) -> str:
-    """Markdown section with the DPPO settings (the trust-region fields both configs share, then `trainer_rows`)."""
-    from dppo_trl.trainers.config import sampling_truncation
-
+def dppo_card_section(args, sampling: tuple[int, float, float], trainer_rows: list[tuple[str, object]]) -> str:
+    """Markdown section with the DPPO settings (the trust-region fields both configs share, then `trainer_rows`);
+    `sampling` is the engine's `(top_k, top_p, min_p)` (`dppo_trl.trainers.config.sampling_truncation`)."""
     rows = [
         ("divergence", args.divergence),
         ("delta_low / delta_high", f"{args.delta_low} / {args.delta_high}"),
@@ -204,7 +203,7 @@ def dppo_card_section(args, trainer_rows: list[tuple[str, object]]) -> str:
             "–"
             if args.kept_set_size is None
             else "top_k={}, top_p={}, min_p={}: π over the engine's kept set (N = {})".format(
-                *sampling_truncation(args), args.kept_set_size
+                *sampling, args.kept_set_size
             ),
         ),
         *trainer_rows,
@@ -224,12 +223,13 @@ def write_model_card(
     dataset_name: str | None,
     tags: str | list[str] | None,
     vllm_mode: str | None,
+    sampling: tuple[int, float, float],
     settings: list[tuple[str, object]],
 ) -> None:
     """The card of `trainer` (a `DPPOTrainer` or `AsyncDPPOTrainer`): its parent's `create_model_card`, passed in
     as `parent_create_model_card`, writes TRL's card with DPPO's tags; then `finish_model_card` rewrites its
-    provenance, quick start and versions, and `dppo_card_section` (with `settings`, the trainer's own rows) is
-    appended. A local dataset path never reaches the card's metadata, only its text (by name)."""
+    provenance, quick start and versions, and `dppo_card_section` (with `sampling`, the engine's `(top_k, top_p,
+    min_p)`, and `settings`, the trainer's own rows) is appended. A local dataset path never reaches the card's metadata, only its text (by name)."""
     args = trainer.args
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     tags += ["dppo", f"dppo-{args.divergence.replace('_', '-')}"]
@@ -251,4 +251,4 @@ def write_model_card(
         train_dataset=trainer.train_dataset,
     )
     with open(path, "a", encoding="utf-8") as card:
-        card.write("\n" + dppo_card_section(args, settings))
+        card.write("\n" + dppo_card_section(args, sampling, settings))

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dppo_trl.core.functional import kept_log_mass
-from dppo_trl.kernels.topk_logps import LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
+from dppo_trl.kernels.topk_logps import HeadGather, LogitTransform, logps_at_ids_from_sampled, logps_at_ids_with_grad
 
 
 def causal_lm(model: Any) -> Any:
@@ -82,6 +82,7 @@ def engine_list_view(
     *,
     kept_set: bool,
     top_k: int | None,
+    gather: HeadGather | None = None,
 ) -> EngineListView:
     """π and μ at the engine's listed ids of every `valid` token.
 
@@ -95,17 +96,19 @@ def engine_list_view(
         kept_set: truncated sampling: the finite entries of `mu_lists` are the kept set, and π's log-mass over it
             (`kept_log_mass`, with the gradient of every kept id through `logps_at_ids_with_grad`) is returned.
         top_k: K of a top-K divergence: the first K + 1 slots of both sides (π's detached) are its lists.
+        gather: makes a ZeRO-3 head whole while it is read, its backward's reads included (TRL's
+            `maybe_gather_lm_head_ctx`; `dppo_trl.kernels.topk_logps.HeadGather`); `None`: the head is used as given.
     """
     if hidden is None:
         raise RuntimeError(
             "π at the engine's listed ids needs the policy's final hidden states, but none were captured."
         )
-    gather = logps_at_ids_with_grad if kept_set else logps_at_ids_from_sampled
+    at_ids = logps_at_ids_with_grad if kept_set else logps_at_ids_from_sampled
     pi_lists = torch.full(mu_lists.shape, -math.inf, dtype=torch.float32, device=mu_lists.device)
     listed = ids[valid]
     # Only log π(kept) needs a gradient; without it no graph is built over the gathered head rows.
     with contextlib.nullcontext() if kept_set else torch.no_grad():
-        pi_lists[valid] = gather(
+        pi_lists[valid] = at_ids(
             hidden[valid],
             full(weight),
             listed,
@@ -113,6 +116,7 @@ def engine_list_view(
             pi_logps[valid].float(),
             bias=full(bias),
             transform=transform,
+            gather=gather,
         )
     pi_topk = mu_topk = log_mass = None
     if top_k is not None:

@@ -35,15 +35,16 @@ The differentiable fused gather (design A) and the full-logits references, used 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from packaging.version import Version
+from torch.torch_version import TorchVersion
 
 # `torch.mm(..., out_dtype=torch.float32)` from bf16/fp16 inputs exists on CUDA from torch 2.8 (not on CPU)
-_MM_OUT_DTYPE = Version(torch.__version__.split("+")[0]) >= Version("2.8.0")
+_MM_OUT_DTYPE = TorchVersion(torch.__version__) >= "2.8"
 # Default budget of the float32 weight rows `logps_at_ids_from_sampled` gathers per token chunk
 _GATHER_CHUNK_BYTES = 128 * 2**20
 
@@ -183,14 +184,26 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else nullcontext()
 
 
-def _lm_head_gather_ctx(weight: torch.Tensor, bias: torch.Tensor | None):
-    """TRL's ZeRO-3 gather of a partitioned head; a null context for anything that is not a ZeRO-3 parameter."""
-    params = [p for p in (weight, bias) if p is not None and hasattr(p, "ds_status")]
-    if not params:
-        return nullcontext()
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+# What makes a sharded LM head whole for direct reads: called with the head's parameters (`weight`, then `bias` when
+# there is one), it returns a context manager inside which they hold their full data, e.g. TRL's
+# `trl.trainer.utils.maybe_gather_lm_head_ctx` under DeepSpeed ZeRO-3. The gathers enter it around every read of the
+# head, their backward's included (which runs after the caller's own contexts have closed). FSDP2's DTensors need
+# none: the caller passes `full_tensor()`s (`dppo_trl.kernels.engine_view.full`).
+HeadGather = Callable[..., AbstractContextManager[Any]]
 
-    return maybe_gather_lm_head_ctx(*params)
+
+def _head_ctx(weight: torch.Tensor, bias: torch.Tensor | None, gather: HeadGather | None) -> AbstractContextManager:
+    """`gather(weight[, bias])`, or a null context; without a `gather`, a DeepSpeed ZeRO-3 partition (a parameter with
+    `ds_status` and no local data) is refused by name rather than failing inside an index."""
+    params = [p for p in (weight, bias) if p is not None]
+    if gather is not None:
+        return gather(*params)
+    if any(hasattr(p, "ds_status") and p.numel() == 0 for p in params):
+        raise ValueError(
+            "The LM head is a DeepSpeed ZeRO-3 partition with no local data: pass `gather=` a context that gathers "
+            "it, e.g. TRL's `trl.trainer.utils.maybe_gather_lm_head_ctx`."
+        )
+    return nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -209,6 +222,7 @@ def logps_at_ids_from_sampled(
     bias: torch.Tensor | None = None,
     transform: LogitTransform = LogitTransform(),
     chunk_size: int | None = None,
+    gather: HeadGather | None = None,
 ) -> torch.Tensor:
     """
     Log-probabilities at `ids` from the log-probability of one known id per row (the sampled token), with no gradient.
@@ -228,21 +242,23 @@ def logps_at_ids_from_sampled(
         chunk_size (`int`, *optional*): token rows per chunk. Each chunk gathers `chunk_size × (J + 1) × H` float32
             weights, never the whole `[M, J + 1, H]`. Defaults to the rows that fit in about 128 MiB (372 rows for
             J + 1 = 22 and H = 4096).
+        gather (`HeadGather`, *optional*): makes a sharded head whole while it is read (DeepSpeed ZeRO-3: TRL's
+            `maybe_gather_lm_head_ctx`); `None`: the head is used as given.
 
     Returns:
         `torch.Tensor`: `[M, J]` float32 log-probabilities.
     """
-    _check_inputs(hidden, weight, bias)
-    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
-    M, J = ids.shape
-    if sampled_ids.shape != (M,) or sampled_logps.shape != (M,):
-        raise ValueError(f"expected sampled_ids and sampled_logps of shape [{M}]")
-    acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
-    if chunk_size is None:
-        chunk_size = max(1, _GATHER_CHUNK_BYTES // ((J + 1) * hidden.shape[1] * 4))
-    out = torch.empty((M, J), device=hidden.device, dtype=acc)
-    with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
+    with _no_autocast(hidden.device), _head_ctx(weight, bias, gather):
+        _check_inputs(hidden, weight, bias)
+        if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+            raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
+        M, J = ids.shape
+        if sampled_ids.shape != (M,) or sampled_logps.shape != (M,):
+            raise ValueError(f"expected sampled_ids and sampled_logps of shape [{M}]")
+        acc = _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+        if chunk_size is None:
+            chunk_size = max(1, _GATHER_CHUNK_BYTES // ((J + 1) * hidden.shape[1] * 4))
+        out = torch.empty((M, J), device=hidden.device, dtype=acc)
         for t0 in range(0, M, chunk_size):
             t1 = min(t0 + chunk_size, M)
             chunk_ids = torch.cat([sampled_ids[t0:t1, None], ids[t0:t1]], dim=1)  # [n, J + 1]
@@ -262,19 +278,22 @@ class _LogpsAtIdsFromSampled(torch.autograd.Function):
     """`z_k − z_y + log π(y)` at `ids` with its gradient; forward and backward hold one token chunk of gathered rows."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size):
-        out = logps_at_ids_from_sampled(
-            hidden.detach(),
-            weight.detach(),
-            ids,
-            sampled_ids,
-            sampled_logps.detach(),
-            bias=None if bias is None else bias.detach(),
-            transform=transform,
-            chunk_size=chunk_size,
-        )
+    def forward(ctx, hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size, gather):
+        # The gather takes the parameters themselves (their detached views carry no ZeRO-3 state).
+        with _head_ctx(weight, bias, gather):
+            out = logps_at_ids_from_sampled(
+                hidden.detach(),
+                weight.detach(),
+                ids,
+                sampled_ids,
+                sampled_logps.detach(),
+                bias=None if bias is None else bias.detach(),
+                transform=transform,
+                chunk_size=chunk_size,
+            )
         ctx.save_for_backward(hidden, weight, bias, ids, sampled_ids)
         ctx.transform, ctx.chunk_size, ctx.lp_dtype = transform, chunk_size, sampled_logps.dtype
+        ctx.gather = gather
         return out
 
     @staticmethod
@@ -285,7 +304,7 @@ class _LogpsAtIdsFromSampled(torch.autograd.Function):
         need_h, need_w, need_b, _, _, need_lp = ctx.needs_input_grad[:6]
         M = ids.shape[0]
         # Under ZeRO-3 the head is partitioned outside the gather: its gradient is sized inside it (as TRL's head does).
-        with _no_autocast(hidden.device), _lm_head_gather_ctx(weight, bias):
+        with _no_autocast(hidden.device), _head_ctx(weight, bias, ctx.gather):
             grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b and bias is not None else None
@@ -330,6 +349,7 @@ class _LogpsAtIdsFromSampled(torch.autograd.Function):
             None if grad_lp is None else grad_lp.to(ctx.lp_dtype),
             None,
             None,
+            None,
         )
 
 
@@ -343,6 +363,7 @@ def logps_at_ids_with_grad(
     bias: torch.Tensor | None = None,
     transform: LogitTransform = LogitTransform(),
     chunk_size: int | None = None,
+    gather: HeadGather | None = None,
 ) -> torch.Tensor:
     """
     [`logps_at_ids_from_sampled`] with a gradient: `log π(k) = z_k − z_y + log π(y)` flows into `hidden`, `weight`,
@@ -355,12 +376,14 @@ def logps_at_ids_with_grad(
     Returns:
         `torch.Tensor`: `[M, J]` float32 log-probabilities (`-inf`, with zero gradient, at padding ids).
     """
-    _check_inputs(hidden, weight, bias)
-    if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"expected ids [{hidden.shape[0]}, J], got {tuple(ids.shape)}")
+    # The head's shapes are checked by the forward, inside `gather` (a ZeRO-3 partition has none outside it).
+    if ids.dim() != 2 or hidden.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"expected hidden [M, H] and ids [M, J], got {tuple(hidden.shape)} and {tuple(ids.shape)}")
     if chunk_size is None:
         chunk_size = max(1, _GATHER_CHUNK_BYTES // ((ids.shape[1] + 1) * hidden.shape[1] * 4))
-    return _LogpsAtIdsFromSampled.apply(hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size)
+    return _LogpsAtIdsFromSampled.apply(
+        hidden, weight, bias, ids, sampled_ids, sampled_logps, transform, chunk_size, gather
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,6 +402,7 @@ def chunked_topk_logps(
     token_chunk: int = 1024,
     vocab_tile: int = 32768,
     compute_dtype: torch.dtype | None = None,
+    gather: HeadGather | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Top-`k` log-probabilities and ids per row, holding at most one `[token_chunk, vocab_tile]` block of logits.
@@ -389,21 +413,23 @@ def chunked_topk_logps(
     Args:
         compute_dtype (`torch.dtype`, *optional*): dtype the GEMM inputs are rounded to (products are float32).
             Defaults to the inputs' dtype when `hidden` and `weight` share it, float32 otherwise.
+        gather (`HeadGather`, *optional*): makes a sharded head whole while it is read (see
+            [`logps_at_ids_from_sampled`]).
 
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: `[M, k]` float32 log-probabilities sorted in descending order and the
         matching `[M, k]` int64 ids.
     """
-    _check_inputs(hidden, weight, bias)
-    M, V = hidden.shape[0], weight.shape[0]
-    if not 0 < k <= V:
-        raise ValueError(f"k must be in [1, {V}], got {k}")
     device = hidden.device
-    compute_dtype = _resolve_compute_dtype(hidden, weight, compute_dtype)
-    acc = _acc_dtype(compute_dtype)
-    topk_logps = torch.empty((M, k), device=device, dtype=acc)
-    topk_ids = torch.empty((M, k), device=device, dtype=torch.long)
-    with _no_autocast(device), _lm_head_gather_ctx(weight, bias):
+    with _no_autocast(device), _head_ctx(weight, bias, gather):
+        _check_inputs(hidden, weight, bias)
+        M, V = hidden.shape[0], weight.shape[0]
+        if not 0 < k <= V:
+            raise ValueError(f"k must be in [1, {V}], got {k}")
+        compute_dtype = _resolve_compute_dtype(hidden, weight, compute_dtype)
+        acc = _acc_dtype(compute_dtype)
+        topk_logps = torch.empty((M, k), device=device, dtype=acc)
+        topk_ids = torch.empty((M, k), device=device, dtype=torch.long)
         for t0 in range(0, M, token_chunk):
             t1 = min(t0 + token_chunk, M)
             n = t1 - t0

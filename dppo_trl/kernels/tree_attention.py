@@ -13,7 +13,7 @@
 # limitations under the License.
 
 """
-Tree attention over TRL's packed rows without TRL's FlashAttention-3 kernel, and the choice between them.
+Tree attention over TRL's packed rows without TRL's FlashAttention-3 kernel, and its float32 reference.
 
 TRL 1.16's `AsyncGRPOTrainer` packs each rank's samples into a prefix trie (`trl.experimental.async_grpo.packing.
 TreeRow`) and builds the model with `attn_implementation="tree_fa3"`: a FlashAttention-3 varlen kernel fetched from
@@ -28,37 +28,22 @@ grouped-query heads, an optional sliding window (`p > i + L_k - L_q - w`) and an
   recomputed in backward, whose memory is bounded by a chunk rather than by `L_q * L_k`. q, k and v are brought to
   one dtype first ([`attention_dtype`]), as TRL's FA3 function does: under autocast a layer hands attention q and k
   in float32 (Qwen3's float32 q/k norm and RoPE) and v in bf16 (the autocast `v_proj`).
-- [`resolve_tree_attention`]: what `AsyncDPPOConfig.tree_attention` means on a device (TRL's kernel where it loads and
-  runs, else `tree_attention_sdpa`), with the reason.
-- [`registered_tree_attention`]: registers a function under TRL's name for a `with` block, then restores what was
-  there.
+- [`tree_attention_cpu`]: the same contract in float32 with one score matrix per segment (O(L²) memory): the reference
+  `tree_attention_sdpa` is checked against (`AsyncDPPOConfig.tree_attention="eager"` runs it).
+
+Torch only: registering a function under TRL's name and choosing between these and TRL's FlashAttention-3 kernel is
+`dppo_trl.backends.tree_attention`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = [
-    "LOWER_RIGHT_CHOICES",
-    "TREE_ATTENTION_CHOICES",
-    "TreeAttentionChoice",
-    "attention_dtype",
-    "fa3_unavailable",
-    "registered_tree_attention",
-    "resolve_tree_attention",
-    "tree_attention_sdpa",
-]
-
-# `AsyncDPPOConfig.tree_attention`: "auto" picks; "fa3" is TRL's Hub kernel; "sdpa" is `tree_attention_sdpa`;
-# "eager" is the float32 reference `dppo_trl.backends.cpu.async_cpu.tree_attention_cpu` (O(L^2) memory: debugging).
-TREE_ATTENTION_CHOICES = ("auto", "fa3", "sdpa", "eager")
+__all__ = ["LOWER_RIGHT_CHOICES", "attention_dtype", "tree_attention_cpu", "tree_attention_sdpa"]
 
 # How `tree_attention_sdpa` aligns a segment below a fork (fewer queries than path rows) bottom-right: "bias" is SDPA's
 # lower-right causal bias (`torch.nn.attention.bias.causal_lower_right`: the flash / memory-efficient kernels on CUDA,
@@ -71,12 +56,6 @@ LOWER_RIGHT_CHOICES = ("bias", "mask")
 _MASK_QUERY_CHUNK = 2048
 # Softcap: score elements (heads x query rows x keys) per chunk of the explicit softmax, 2**25 = 128 MiB in float32.
 _SOFTCAP_CHUNK_ELEMENTS = 1 << 25
-
-FA3_FIX = (
-    "install the `kernels` package (`pip install kernels`, TRL's `kernels` extra) and make the Hub repository "
-    "`kernels-community/flash-attn3` loadable (Hub access, or a copy in the Hugging Face cache with HF_HUB_OFFLINE=1), "
-    "on a GPU FlashAttention-3 supports (Hopper: H100/H200); or set `tree_attention='sdpa'` (or 'auto')"
-)
 
 
 def tree_attention_sdpa(
@@ -246,100 +225,60 @@ def _softcapped_chunk(q, k, v, allowed, scale: float, softcap: float, dropout: f
         return torch.matmul(probs, v.to(dtype)).to(q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Registration and choice
-# ---------------------------------------------------------------------------------------------------------------------
+def tree_attention_cpu(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    tree_kv_index: torch.Tensor,
+    tree_cu_seqlens_q: torch.Tensor,
+    tree_cu_seqlens_k: torch.Tensor,
+    tree_max_seqlen_q=None,
+    tree_max_seqlen_k=None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The float32 reference: variable-length causal attention over a packed tree row, in plain PyTorch (any device).
 
-
-@contextlib.contextmanager
-def registered_tree_attention(function: Callable) -> Iterator[None]:
-    """Register `function` (and TRL's no-op mask) under TRL's tree-attention name for the `with` block only, then
-    restore the previous registrations (TRL's FA3 function, or nothing)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    from trl.experimental.async_grpo.packing import TREE_ATTENTION
-
-    saved = []
-    for interface in (AttentionInterface, AttentionMaskInterface):
-        mapping = interface._global_mapping
-        saved.append((mapping, TREE_ATTENTION in mapping, mapping.get(TREE_ATTENTION)))
-    AttentionInterface.register(TREE_ATTENTION, function)
-    AttentionMaskInterface.register(TREE_ATTENTION, _no_mask)
-    try:
-        yield
-    finally:
-        for mapping, had, previous in saved:
-            if had:
-                mapping[TREE_ATTENTION] = previous
-            else:
-                mapping.pop(TREE_ATTENTION, None)
-
-
-def _no_mask(**kwargs) -> None:
-    # Tree attention builds its own masking from the segment tables; transformers must not build a dense mask.
-    return None
-
-
-@dataclass(frozen=True)
-class TreeAttentionChoice:
-    """What runs as TRL's tree attention: `name` ("fa3", "sdpa" or "eager"), the `function` to register under TRL's
-    name while the trainer's forward and backward run (`None`: TRL's own FA3 registration stays), and why."""
-
-    name: str
-    function: Callable | None
-    reason: str
-
-
-def fa3_unavailable(device: torch.device) -> str | None:
-    """Why TRL's FlashAttention-3 tree attention cannot run on `device`, or `None` when it can.
-
-    On CUDA it loads the kernel through TRL's own loader (`packing._flash_attn`, `kernels.get_kernel` from the Hub,
-    cached by TRL once it succeeds) and runs TRL's `tree_attention` once on a two-token row, so a kernel that loads but
-    has no build for this card is caught here rather than in the first training step."""
-    if device.type != "cuda":
-        return f"FlashAttention-3 needs a CUDA device, not {device.type}"
-    from trl.experimental.async_grpo import packing
-
-    try:
-        packing._flash_attn()
-    except Exception as error:  # any failure to load is a reason to say, not to crash "auto"
-        return f"loading kernels-community/flash-attn3 failed ({type(error).__name__}: {error})"
-    try:
-        q = torch.randn(1, 1, 2, 64, device=device, dtype=torch.bfloat16)
-        packing.tree_attention(
-            None,
-            q,
-            q,
-            q,
-            None,
-            tree_kv_index=torch.arange(2, device=device),
-            tree_cu_seqlens_q=torch.tensor([0, 2], device=device, dtype=torch.int32),
-            tree_cu_seqlens_k=torch.tensor([0, 2], device=device, dtype=torch.int32),
-            tree_max_seqlen_q=2,
-            tree_max_seqlen_k=2,
-        )
-        torch.cuda.synchronize(device)
-    except Exception as error:
-        return f"the kernel loaded but does not run on this GPU ({type(error).__name__}: {error})"
-    return None
-
-
-def resolve_tree_attention(choice: str, device: torch.device) -> TreeAttentionChoice:
-    """The tree attention `AsyncDPPOConfig.tree_attention = choice` runs on `device`.
-
-    "auto": TRL's FA3 kernel where it loads and runs (CUDA), else `tree_attention_sdpa`. "fa3" raises a `RuntimeError`
-    naming the fix when the kernel cannot run. "sdpa" and "eager" are taken as asked."""
-    from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
-
-    if choice not in TREE_ATTENTION_CHOICES:
-        raise ValueError(f"tree_attention must be one of {TREE_ATTENTION_CHOICES}, got {choice!r}.")
-    if choice == "sdpa":
-        return TreeAttentionChoice("sdpa", tree_attention_sdpa, "tree_attention='sdpa' was asked for")
-    if choice == "eager":
-        return TreeAttentionChoice("eager", tree_attention_cpu, "tree_attention='eager' was asked for")
-    failure = fa3_unavailable(device)
-    if failure is None:
-        return TreeAttentionChoice("fa3", None, "TRL's FlashAttention-3 kernel loaded and ran on this GPU")
-    if choice == "fa3":
-        raise RuntimeError(f"tree_attention='fa3' cannot run: {failure}. To fix: {FA3_FIX}.")
-    return TreeAttentionChoice("sdpa", tree_attention_sdpa, failure)
+    `query`/`key`/`value` are `(1, heads, N, head_dim)` (key/value may have fewer heads: grouped-query attention).
+    Segment s owns queries `cu_q[s]:cu_q[s+1]` and attends to the K/V rows `tree_kv_index[cu_k[s]:cu_k[s+1]]`, the
+    last `L_q` of which are its own tokens: query i sees key j iff `j ≤ i + L_k − L_q` (and, with a sliding window w,
+    `j > i + L_k − L_q − w`). Softmax in float32. Returns `((1, N, heads, head_dim), None)` like transformers'
+    attention functions. `dropout` is accepted and ignored: the trainer's forward is not a dropout forward.
+    """
+    _, heads, n_tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    q_all = query[0].transpose(0, 1)  # (N, H, D)
+    k_all = key[0].transpose(0, 1).index_select(0, tree_kv_index.long())
+    v_all = value[0].transpose(0, 1).index_select(0, tree_kv_index.long())
+    cu_q = tree_cu_seqlens_q.tolist()
+    cu_k = tree_cu_seqlens_k.tolist()
+    out = query.new_zeros(n_tokens, heads, head_dim)
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        if len_q == 0:
+            continue
+        q = q_all[q0:q1].transpose(0, 1).float()  # (H, Lq, D)
+        k = k_all[k0:k1].transpose(0, 1).float()  # (Hkv, Lk, D)
+        v = v_all[k0:k1].transpose(0, 1).float()
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=0)
+            v = v.repeat_interleave(heads // kv_heads, dim=0)
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
+        cols = torch.arange(len_k, device=q.device).unsqueeze(0)
+        allowed = cols <= rows
+        if sliding_window:
+            allowed = allowed & (cols > rows - sliding_window)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(out.dtype)
+    return out.unsqueeze(0), None

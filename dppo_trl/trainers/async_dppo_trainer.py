@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 
+from dppo_trl.backends.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
 from dppo_trl.core.loss import LossInputs, LossOutputs
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.core.sync_check import fresh_rollout_sums
 from dppo_trl.hardening.model_card import DPPO_PAPER
-from dppo_trl.kernels.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
     TrustRegionFields,
@@ -213,6 +213,20 @@ class AsyncDPPOTrainer(DPPOLoss, HookedAsyncGRPOTrainer):
             f"Tree attention: {choice.name} (tree_attention={args.tree_attention!r}: {choice.reason})."
         )
         return choice
+
+    def _model_card_arguments(self) -> dict[str, Any]:
+        args = self.args
+        return {
+            "vllm_mode": "server",
+            "sampling": sampling_truncation(args),
+            "settings": [
+                ("learning_rate", args.learning_rate),
+                ("num_generations", args.num_generations),
+                ("temperature", args.temperature),
+                ("max_staleness", args.max_staleness),
+                ("generation", "vLLM (server, asynchronous)"),
+            ],
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     # The loss (`DPPOLoss`): where this trainer's batch keeps μ's lists, and what it logs

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs, policy_loss
@@ -104,7 +105,7 @@ class DPPOLoss:
     def _engine_list_view(self, forward: PolicyForward, lists: BehaviorLists, valid: Tensor) -> EngineListView:
         """π at the engine's listed ids (`engine_view.engine_list_view`) from the forward's final hidden states: μ's
         top-K lists, or the kept set, whose log π(kept) carries the gradient of every kept id. Under ZeRO-3 the
-        kernels gather the head themselves."""
+        kernels gather the head with TRL's `maybe_gather_lm_head_ctx` around every read of it, backward included."""
         unwrapped = self.accelerator.unwrap_model(self.model)
         weight, bias = lm_head(unwrapped)
         spec = self.trust_region_spec
@@ -119,6 +120,7 @@ class DPPOLoss:
             valid,
             kept_set=lists.kept_set,
             top_k=spec.divergence_top_k if spec.uses_top_k else None,
+            gather=maybe_gather_lm_head_ctx,
         )
 
     def _rollout_logprobs(self) -> int | None:

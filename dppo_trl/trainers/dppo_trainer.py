@@ -25,6 +25,7 @@ import logging
 import math
 
 import torch
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from dppo_trl.core.functional import sanitize_behavior_logps
 from dppo_trl.core.loss import LossInputs, LossOutputs
@@ -236,7 +237,7 @@ class DPPOTrainer(DPPOLoss, HookedGRPOTrainer):
         """One no-grad pass of the current weights over the batch: sampled-token log-probs and, if asked, top-K.
 
         Uses the parent's fused log-prob pass, so no `[B, T, V]` logits are built; the top-K comes from the captured
-        hidden states through a chunked vocabulary scan (which gathers a ZeRO-3 head itself).
+        hidden states through a chunked vocabulary scan (a ZeRO-3 head gathered by TRL's `maybe_gather_lm_head_ctx`).
         """
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -263,6 +264,7 @@ class DPPOTrainer(DPPOLoss, HookedGRPOTrainer):
             k,
             bias=full(bias),
             transform=logit_transform(unwrapped, self.args.temperature),
+            gather=maybe_gather_lm_head_ctx,
         )
         ids = torch.full((*mask.shape, k + 1), -1, dtype=torch.long, device=mask.device)
         slot_logps = torch.full((*mask.shape, k + 1), -math.inf, dtype=torch.float32, device=mask.device)
@@ -286,6 +288,21 @@ class DPPOTrainer(DPPOLoss, HookedGRPOTrainer):
         engine_mu = self.args.use_vllm or self._has_rollout_func
         region = self.trust_region_spec.region
         return engine_mu and self.args.anchor == "behavior" and not region.needs_old_logps
+
+    def _model_card_arguments(self) -> dict:
+        args = self.args
+        return {
+            "vllm_mode": args.vllm_mode if args.use_vllm else None,
+            "sampling": sampling_truncation(args),
+            "settings": [
+                ("loss_type", args.loss_type),
+                ("beta", args.beta),
+                ("learning_rate", args.learning_rate),
+                ("num_generations", args.num_generations),
+                ("temperature", args.temperature),
+                ("generation", f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"),
+            ],
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     # Checks

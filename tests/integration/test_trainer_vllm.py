@@ -115,9 +115,10 @@ def test_colocate_trains(tiny_model_dir, tmp_path, master_port, divergence, lora
         logged(trainer, "dppo/invalid_behavior_logps")
     )
     # Each step generates, so each is the first after a sync: checked (and raising on a trip, `small_config`), at
-    # fp32 rounding.
+    # the engine's rounding: fp32, or bf16 for the LoRA lanes (their engine reads bf16 weights; docs/api.md's bf16
+    # floors reach 3.3e-3).
     sync = logged(trainer, "dppo/sync_mismatch")
-    assert len(sync) == trainer.args.max_steps and all(v < 1e-4 for v in sync), sync
+    assert len(sync) == (3 if lora else 2) and all(v < (5e-3 if lora else 1e-4) for v in sync), sync
 
 
 def _sampled_entries(request_outputs):

@@ -5,7 +5,8 @@ device: the adapters merged out of place for each sync).
 
 Each trainer test starts one engine, trains a few GRPO steps and then checks that the engine's top-5 logprobs match
 the trained HF model, i.e. that the weight sync really moved the weights (untied, tied and LoRA models; the MoE one in
-bf16), and, for LoRA, that the frozen base is still the checkpoint's.
+bf16), and, for LoRA, that the frozen base is still the checkpoint's. One more engine checks the worker side of the
+server's file sync (`WeightReloadExtension`) on a tied LM head.
 """
 
 import gc
@@ -18,6 +19,7 @@ from trainer_setup import frozen_base_changes
 from dppo_trl.backends.cpu.construction import trainer_construction_patches
 from dppo_trl.backends.cpu.engine import EngineOptions
 from dppo_trl.backends.cpu.platform import is_vllm_cpu_platform
+from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION
 from dppo_trl.backends.cpu.weight_sync import bind_colocate_weight_sync, colocate_sync_weights
 from dppo_trl.trainers.trl116.grpo import merge_lora_out_of_place
 
@@ -229,3 +231,62 @@ def test_colocate_moe_lora_on_experts_syncs(master_port, vllm_groups_for_moe, ti
     changed, compared = frozen_base_changes(trainer.model, tiny_moe_model_dir)
     assert changed == [] and compared > 0 and trainer.model.dtype == torch.bfloat16
     _release(trainer)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_file_reload_refreshes_a_tied_head(tiny_tied_model_dir, master_port, monkeypatch):
+    """The worker side of the file sync on a real engine with a tied LM head (vLLM's plain `reload_weights` leaves
+    it stale); `/collective_rpc` is replaced by the engine's in-process `collective_rpc` of the same method name."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    llm = LLM(
+        model=tiny_tied_model_dir,
+        distributed_executor_backend="external_launcher",
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        max_model_len=64,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+
+    def max_error() -> float:
+        outputs = llm.generate(["hello", "1+2="], SamplingParams(max_tokens=6, logprobs=5, temperature=1.0, seed=0))
+        worst = 0.0
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = torch.tensor([list(output.prompt_token_ids) + list(completion.token_ids)])
+            with torch.no_grad():
+                logps = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            start = len(output.prompt_token_ids) - 1
+            for pos, entries in enumerate(completion.logprobs):
+                for token_id, logprob in entries.items():
+                    worst = max(worst, abs(logps[start + pos, token_id].item() - logprob.logprob))
+        return worst
+
+    class InProcessServer:
+        base_url = ""
+
+        def _post(self, url, json):
+            assert url == "/collective_rpc"
+            return llm.collective_rpc(json["method"], kwargs=json["kwargs"])
+
+    assert max_error() > 1e-2  # the engine still serves the saved weights
+    # `named_parameters` yields the tied weight once, as TRL's iterator does.
+    assert reload_server_weights_from_file(InProcessServer(), model.named_parameters()) == len(
+        list(model.named_parameters())
+    )
+    llm.reset_prefix_cache()
+    assert max_error() <= PARITY_TOL

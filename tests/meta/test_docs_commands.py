@@ -75,20 +75,20 @@ DECISIONS = {
     ),
     "pip install -e .[test,examples]": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
     "pip install --no-deps -e ./dev": CannotRun("an install into the user's environment; scripts/setup.sh runs it"),
-    # The `dppo-trl` command: tests/integration/test_async_dppo.py runs the server-mode forms shrunk (2 steps) against
+    # The `dppo-trl` command: tests/integration/test_async_server.py runs the server-mode forms shrunk (2 steps) against
     # its module's server (started by `dppo-trl vllm-serve`), so the demo runs there in server mode and train-async
     # uses that server instead of starting one (the example's async command below starts one through the same
-    # `dppo_trl.cli.server`); tests/system/test_cli.py runs the 2-process form; tests/unit/test_cli.py checks that
+    # `dppo_trl.cli.server`); tests/system/test_cli_accelerate.py runs the 2-process form; tests/unit/test_cli.py checks that
     # the no-argument demos parse to the tiny recipe's and the async example's settings.
     ".venv/bin/dppo-trl train --config examples/recipes/tiny_math_cpu.yaml --output_dir outputs/tiny-math-cli": Covered(
-        "tests/integration/test_async_dppo.py"
+        "tests/integration/test_async_server.py"
     ),
     ".venv/bin/dppo-trl train --accelerate_config multi_gpu --num_processes 2 --main_process_port 29601 "
     "--model_name_or_path examples/tiny_math_model --dataset_name "
     "examples/data/tiny_math/train.jsonl --reward_funcs dapo_math.rewards.accuracy_reward --use_vllm false "
-    "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli.py"),
+    "--output_dir outputs/tiny-math-cli-ddp": Covered("tests/system/test_cli_accelerate.py"),
     ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-cli-async": Covered(
-        "tests/integration/test_async_dppo.py"
+        "tests/integration/test_async_server.py"
     ),
     ".venv/bin/dppo-trl vllm-serve --model examples/tiny_math_model --port 8000": Run(("--dry-run",)),
     ".venv/bin/python benchmarks/step_time.py": Covered("tests/system/test_benchmarks.py"),
@@ -111,7 +111,7 @@ DECISIONS = {
         "tests/system/test_default_run.py"
     ),
     ".venv/bin/dppo-trl train --output_dir outputs/tiny-math-dppo-cli": Covered(
-        "tests/integration/test_async_dppo.py"
+        "tests/integration/test_async_server.py"
     ),
     "dppo-trl train --config examples/recipes/qwen3_8b_base_dapo_math.yaml --accelerate_config "
     "examples/recipes/accelerate/zero3.yaml": CannotRun(GPU),
@@ -124,7 +124,7 @@ DECISIONS = {
     "--main_process_ip $MAIN_NODE_IP --config examples/recipes/qwen3_8b_base_dapo_math_server.yaml "
     "--vllm_server_host $VLLM_NODE_IP": CannotRun("GPU-only: two 8-GPU training nodes and a vLLM node"),
     ".venv/bin/dppo-trl train --use_vllm --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_port 8000 "
-    "--output_dir outputs/tiny-math-server-cli": Covered("tests/integration/test_async_dppo.py"),
+    "--output_dir outputs/tiny-math-server-cli": Covered("tests/integration/test_async_server.py"),
     "accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py "
     "--config examples/recipes/qwen3_8b_base_dapo_math.yaml": CannotRun(GPU),
     "accelerate launch --config_file examples/recipes/accelerate/zero3.yaml examples/train_dapo_math.py "
@@ -228,7 +228,7 @@ DECISIONS = {
         ("--max_steps", "2", "--eval_num_samples", "1", "--output_dir", "outputs/tiny-math-async-dppo")
     ),
     ".venv/bin/dppo-trl train-async --output_dir outputs/tiny-math-async-cli": Covered(
-        "tests/integration/test_async_dppo.py"
+        "tests/integration/test_async_server.py"
     ),
     # docs/agents.md
     ".venv/bin/python scripts/make_tiny_agent_model.py": Covered("tests/unit/test_tiny_agent.py"),
@@ -252,7 +252,9 @@ DECISIONS = {
         "GPU-only and unverified: Qwen3-1.7B from the Hub; tests/system/test_tool_agent_example.py parses the recipe"
     ),
     # docs/topk_memory.md
-    ".venv/bin/python -m pytest tests/unit/test_topk_logps.py -q": Run(("--collect-only",)),
+    ".venv/bin/python -m pytest tests/unit/test_topk_logps.py tests/unit/test_topk_reference.py -q": Run(
+        ("--collect-only",)
+    ),
     ".venv/bin/python benchmarks/topk_memory.py": Run(TOPK_SHRINK),
     ".venv/bin/python benchmarks/topk_memory.py --frozen-weight": Run(TOPK_SHRINK),
     ".venv/bin/python benchmarks/topk_memory.py --n-tokens 4096 --variants naive,topk_fused,binary_fused": Run(
@@ -356,6 +358,7 @@ def _rewrite(command: str, decision: Run, workdir: Path) -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.no_lane
 def test_documented_commands_run(tmp_path):
     from conftest import get_free_port
 

@@ -51,12 +51,12 @@ PAPER_AUTHORS = ["Penghui Qi", "Xiangxin Zhou", "Zichen Liu", "Tianyu Pang", "Ch
 
 
 def _source_version() -> str:
-    """`__version__` as written in dppo_trl/__init__.py, read without importing anything."""
-    tree = ast.parse((ROOT / PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    """`__version__` as written in dppo_trl/_version.py, read without importing anything."""
+    tree = ast.parse((ROOT / PACKAGE / "_version.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError("dppo_trl/__init__.py has no literal `__version__ = ...`")
+    raise AssertionError("dppo_trl/_version.py has no literal `__version__ = ...`")
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -79,7 +79,9 @@ def test_version_has_one_source():
 
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg", encoding="utf-8")
-    assert cfg["metadata"]["version"] == "attr: dppo_trl.__version__", "setup.cfg must read the version, not repeat it"
+    assert cfg["metadata"]["version"] == "attr: dppo_trl._version.__version__", (
+        "setup.cfg must read the version, not repeat it"
+    )
 
     # setuptools must get it statically: importing dppo_trl at build time would need torch/TRL in the build env.
     script = textwrap.dedent("""
@@ -239,7 +241,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
         "dist_version": dist.version,
         "dist_path": str(dist.locate_file("")),
         "modules": modules,
-        "trainer_is_grpo": [c.__name__ for c in DPPOTrainer.__mro__][:3],
+        "trainer_is_grpo": [c.__name__ for c in DPPOTrainer.__mro__ if c.__name__.endswith("GRPOTrainer") or c is DPPOTrainer],
         "config": [config.divergence, config.delta_low, config.delta_high, config.divergence_top_k],
         "blocked": blocked,
         "preloaded": preloaded,

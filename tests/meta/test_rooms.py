@@ -43,10 +43,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("dppo_trl/weights/lora_merge.py", "_did_swap_in_out_features"): (
         "PEFT's (not TRL's) record of a transposed LoRA base weight, read by the out-of-place merge"
     ),
-    ("dppo_trl/kernels/tree_attention.py", "_flash_attn"): "TRL's FA3 loader, until the probe moves to a backend",
-    ("dppo_trl/kernels/tree_attention.py", "_global_mapping"): (
-        "transformers' attention registry, until the registration moves to a backend"
-    ),
 }
 
 

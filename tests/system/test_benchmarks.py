@@ -105,6 +105,7 @@ def test_topk_memory_rejects_bad_sizes_and_reports_failed_workers():
 
 
 @pytest.mark.vllm
+@pytest.mark.no_lane
 @pytest.mark.slow
 def test_step_time_runs(tmp_path):
     output = tmp_path / "step_time.json"
@@ -139,6 +140,7 @@ def test_step_time_runs(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.no_lane
 @pytest.mark.slow
 def test_step_time_counts_forwards_in_the_recipes_shape():
     # The recipes' shape: steps_per_generation a multiple of GA, so one generation feeds several optimizer steps.
@@ -161,6 +163,7 @@ def test_step_time_counts_forwards_in_the_recipes_shape():
 
 
 @pytest.mark.vllm
+@pytest.mark.no_lane
 def test_topk_capture_runs():
     report = _run_script("topk_capture.py", "--completions", "8", "--tokens", "16", "--repeats", "1")
     for key in ("extract_logprobs_us_per_token", "conversion_us_per_token", "generation_s", "config", "versions"):
@@ -171,6 +174,7 @@ def test_topk_capture_runs():
 
 
 @pytest.mark.vllm
+@pytest.mark.no_lane
 @pytest.mark.slow
 def test_async_vs_sync_runs():
     # Both variants against one real server, two optimizer steps each: the report a user gets, no figure compared.

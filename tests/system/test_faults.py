@@ -225,12 +225,12 @@ def test_failing_write_during_a_save_keeps_the_previous_checkpoint(tiny_model_di
 def test_killed_vllm_server_stops_training_with_the_resume_command(tmp_path, master_port, monkeypatch):
     """Server mode: a DPPOTrainer in this process leaves TRL's `VLLMClient` untouched after training; then a training
     subprocess loses its server mid-run and exits non-zero naming the server and the resume command."""
-    from test_vllm_server import API_KEY, TINY_MODEL, _start_server, _stop, _wait_healthy
+    from server_setup import API_KEY, TINY_MODEL, start_server, stop_server, wait_healthy
     from trainer_setup import byte_mean_reward, make_trainer
 
-    server = _start_server(str(tmp_path / "server.log"))
+    server = start_server(str(tmp_path / "server.log"))
     try:
-        if not _wait_healthy(server):
+        if not wait_healthy(server):
             pytest.skip("the vLLM server's port was taken")
         monkeypatch.setenv("VLLM_API_KEY", API_KEY)
         before = _trl_symbols()
@@ -255,12 +255,12 @@ def test_killed_vllm_server_stops_training_with_the_resume_command(tmp_path, mas
         proc = _launch(args + ["--max_steps", "500"], log, VLLM_API_KEY=API_KEY)
         try:
             _wait_for_line(proc, log, "STEP 3\n")
-            _stop(server.proc)  # SIGTERM to the server's process group; SIGKILL if it lingers
+            stop_server(server.proc)  # SIGTERM to the server's process group; SIGKILL if it lingers
             code = _finish(proc, log)
         finally:
             _kill(proc)
     finally:
-        _stop(server.proc)
+        stop_server(server.proc)
     text = _read(log)
     assert code != 0, text[-4000:]
     assert f"The vLLM server at {server.base_url} stopped answering" in text, text[-4000:]

@@ -319,7 +319,7 @@ def stale_run(tmp_path_factory, wheel_folder, venv_python):
     _replace(
         copy / "tests" / "unit" / "test_tree_attention.py",
         "from references import tree_attention_per_query\n",
-        "from references import tree_attention_per_query\n\nfrom dppo_trl.backends.cpu.async_cpu import tree_attention_cpu\n",
+        "from references import tree_attention_per_query\n\nfrom dppo_trl.backends.cpu.async_cpu import cpu_tree_attention\n",
     )
     _replace(
         copy / "scripts" / "gpu_check.sh",

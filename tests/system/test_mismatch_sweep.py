@@ -15,7 +15,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 SWEEP = os.path.join(REPO_ROOT, "benchmarks", "sanity", "sweep.py")
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.no_lane]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 RUN = os.path.join(REPO_ROOT, "benchmarks", "sanity", "run.py")
 MODEL = os.path.join(REPO_ROOT, "examples", "tiny_math_model")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.no_lane]
 
 CURVES = {"accuracy", "reward", "mismatch_abs_mean", "mismatch_kl_mean", "mask_ratio", "entropy"}
 FIG6 = {"mu_prob_masked", "mu_prob_kept", "entropy_masked", "entropy_kept", "most_masked_tokens", "n_masked"}

@@ -6,20 +6,28 @@ pushes its own weights before its first generation (`_last_loaded_step = -1`), s
 """
 
 import json
-import logging
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import requests
 import torch
 from conftest import get_free_port
 from forward_count import count_generation_passes
+from server_setup import (
+    API_KEY,
+    ROOT,
+    SERVER_MAX_LOGPROBS,
+    TINY_MODEL,
+    Server,
+    start_server,
+    stop_server,
+    subprocess_env,
+    wait_healthy,
+)
 from trainer_setup import (
     byte_mean_reward,
     frozen_base_changes,
@@ -29,88 +37,11 @@ from trainer_setup import (
     merged_reference,
 )
 
-from dppo_trl.backends.cpu.vllm_server import WORKER_EXTENSION, build_server_command
 from dppo_trl.trainers.dppo_trainer import BEHAVIOR_LOGPS, BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, BEHAVIOR_VALID
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
 SERVER_RECIPE = os.path.join(ROOT, "examples", "recipes", "qwen3_8b_base_dapo_math_server.yaml")
 TRAIN_SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_vllm_server.py")
-API_KEY = "dppo-test-key"
-SERVER_MAX_LOGPROBS = 8
-SERVER_START_TIMEOUT = 900  # seconds; ~1 min alone, several under a loaded shared machine
 FRESH_MISMATCH = 1e-4  # |π − μ| right after a sync, fp32 on both sides
-
-
-def _subprocess_env(**extra) -> dict:
-    # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
-    paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server and the engine processes it spawned (they share its session)."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-
-
-class Server:
-    def __init__(self, port: int, proc: subprocess.Popen, log_path: str):
-        self.port, self.proc, self.log_path = port, proc, log_path
-        self.base_url = f"http://127.0.0.1:{port}"
-
-    def log_tail(self, lines: int = 40) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def post(self, path: str, **kwargs) -> dict:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        response = requests.post(self.base_url + path, headers=headers, timeout=120, **kwargs)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-
-def _start_server(log_path: str) -> Server:
-    port = get_free_port()
-    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
-    command += ["--max-logprobs", str(SERVER_MAX_LOGPROBS), "--max-model-len", "256"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command,
-            env=_subprocess_env(VLLM_API_KEY=API_KEY),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=ROOT,
-        )
-    return Server(port, proc, log_path)
-
-
-def _wait_healthy(server: Server) -> bool:
-    """True once `/health` answers; False if the server exited because its port was taken meanwhile."""
-    deadline = time.monotonic() + SERVER_START_TIMEOUT
-    while True:
-        if server.proc.poll() is not None:
-            if "Address already in use" in server.log_tail():
-                return False
-            pytest.fail(f"vLLM server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            if requests.get(server.base_url + "/health", timeout=5).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"vLLM server not healthy after {SERVER_START_TIMEOUT} s:\n{server.log_tail()}")
-        time.sleep(2)
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +49,19 @@ def server(tmp_path_factory) -> Server:
     log_dir = tmp_path_factory.mktemp("vllm_server")
     # The port is checked free, but another process on a shared machine can take it before vLLM binds: retry then.
     for attempt in range(3):
-        server = _start_server(str(log_dir / f"server{attempt}.log"))
+        server = start_server(str(log_dir / f"server{attempt}.log"))
         try:
-            if _wait_healthy(server):
+            if wait_healthy(server):
                 break
         except BaseException:
-            _stop(server.proc)
+            stop_server(server.proc)
             raise
     else:
         pytest.fail("vLLM server could not bind a free port in 3 attempts")
     try:
         yield server
     finally:
-        _stop(server.proc)
+        stop_server(server.proc)
 
 
 @pytest.fixture
@@ -212,116 +143,6 @@ def _assert_synced_and_moving(history: list[dict], steps_per_generation: int) ->
         values = [e[key] for e in history if key in e]
         assert values and all(math.isfinite(v) for v in values), key
     assert all(e.get("dppo/invalid_behavior_logps", 0) == 0 for e in history)
-
-
-# --- launcher (no server) -------------------------------------------------------------------------------------------
-def test_launcher_binds_localhost_with_trl_flags(monkeypatch):
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    command, env = build_server_command(["--model", "m", "--port", "9001", "--max-model-len", "128"])
-    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    joined = " ".join(command)
-    for part in (
-        "--host 127.0.0.1",
-        "--port 9001",
-        "--logprobs-mode processed_logprobs",
-        "--max-logprobs -1",
-        "--dtype float32",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes 67108864",
-        "--max-model-len 128",  # unknown options reach vLLM unchanged
-    ):
-        assert part in joined, part
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_API_KEY" not in env
-
-
-def test_launcher_key_goes_through_the_environment_and_wide_bind_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="dppo_trl.backends.cpu.vllm_server"):
-        command, env = build_server_command(["--model", "m", "--api-key", "s3cret", "--host", "0.0.0.0"])
-    assert env["VLLM_API_KEY"] == "s3cret" and "s3cret" not in command
-    assert "--host 0.0.0.0" in " ".join(command)
-    assert "development endpoints" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dppo_trl.backends.cpu.vllm_server"):
-        build_server_command(["--model", "m", "--host", "::1"])
-    assert not caplog.text
-
-
-def test_launcher_refuses_to_change_what_dppo_needs():
-    # Raw log-probs are not the distribution the server samples from, so they cannot be μ.
-    with pytest.raises(SystemExit, match="--logprobs-mode"):
-        build_server_command(["--model", "m", "--max-model-len", "64", "--logprobs-mode=raw_logprobs"])
-    with pytest.raises(SystemExit, match="kv-cache-memory-bytes"):
-        build_server_command(["--model", "m", "--kv-cache-memory-bytes", "0"])
-
-
-def test_worker_extension_is_what_the_launcher_names():
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    from dppo_trl.backends.cpu.weight_sync import SERVER_RELOAD_METHOD, WeightReloadExtension
-
-    assert resolve_obj_by_qualname(WORKER_EXTENSION) is WeightReloadExtension
-    assert callable(getattr(WeightReloadExtension, SERVER_RELOAD_METHOD))
-    assert not hasattr(CPUWorker, SERVER_RELOAD_METHOD)  # vLLM refuses extensions that shadow worker attributes
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_file_reload_refreshes_a_tied_head(tiny_tied_model_dir, master_port, monkeypatch):
-    """The worker side of the file sync on a real engine with a tied LM head (vLLM's plain `reload_weights` leaves
-    it stale); `/collective_rpc` is replaced by the engine's in-process `collective_rpc` of the same method name."""
-    from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
-
-    from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
-
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(name, value)
-    llm = LLM(
-        model=tiny_tied_model_dir,
-        distributed_executor_backend="external_launcher",
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 * 2**20,
-        max_model_len=64,
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls=WORKER_EXTENSION,
-    )
-    model = AutoModelForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.float32)
-    assert model.config.tie_word_embeddings
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-
-    def max_error() -> float:
-        outputs = llm.generate(["hello", "1+2="], SamplingParams(max_tokens=6, logprobs=5, temperature=1.0, seed=0))
-        worst = 0.0
-        for output in outputs:
-            completion = output.outputs[0]
-            ids = torch.tensor([list(output.prompt_token_ids) + list(completion.token_ids)])
-            with torch.no_grad():
-                logps = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-            start = len(output.prompt_token_ids) - 1
-            for pos, entries in enumerate(completion.logprobs):
-                for token_id, logprob in entries.items():
-                    worst = max(worst, abs(logps[start + pos, token_id].item() - logprob.logprob))
-        return worst
-
-    class InProcessServer:
-        base_url = ""
-
-        def _post(self, url, json):
-            assert url == "/collective_rpc"
-            return llm.collective_rpc(json["method"], kwargs=json["kwargs"])
-
-    assert max_error() > 1e-2  # the engine still serves the saved weights
-    # `named_parameters` yields the tied weight once, as TRL's iterator does.
-    assert reload_server_weights_from_file(InProcessServer(), model.named_parameters()) == len(
-        list(model.named_parameters())
-    )
-    llm.reset_prefix_cache()
-    assert max_error() <= FRESH_MISMATCH
 
 
 # --- the real server ------------------------------------------------------------------------------------------------
@@ -515,7 +336,7 @@ def test_two_ranks_torchrun_train_against_the_server(server, tmp_path):
     command += ["--master_addr", "127.0.0.1", "--master_port", str(get_free_port()), TRAIN_SCRIPT]
     command += ["--model", TINY_MODEL, "--port", str(server.port), "--divergence", "topk_tv", "--top_k", "4"]
     command += ["--output_json", str(out), "--output_dir", str(tmp_path / "run")]
-    env = _subprocess_env(VLLM_API_KEY=API_KEY, TMPDIR=str(weights_root), OMP_NUM_THREADS="1")
+    env = subprocess_env(VLLM_API_KEY=API_KEY, TMPDIR=str(weights_root), OMP_NUM_THREADS="1")
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 

@@ -1,8 +1,8 @@
 """The `dppo-trl` command in process: help, parsing (recipes, demo, env block, PEFT flags), rewards, presets, the
 launch it hands to accelerate, the CPU server command, and each bad input failing before anything launches or loads.
 
-The runs themselves are in tests/system/test_cli.py (2 accelerate processes) and at the end of
-tests/integration/test_async_dppo.py (`train` and `train-async` against `dppo-trl vllm-serve`, trackio read back).
+The runs themselves are in tests/system/test_cli_accelerate.py (2 accelerate processes) and at the end of
+tests/integration/test_async_server.py (`train` and `train-async` against `dppo-trl vllm-serve`, trackio read back).
 """
 
 from __future__ import annotations

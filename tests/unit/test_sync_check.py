@@ -3,7 +3,7 @@
 The statistic is read from `trust_region_stats` (the sums behind `dppo/mismatch_abs_mean`), so it is checked here
 against |exp(log π) − exp(log μ)| written out by hand, over the tokens the loss counts. `SyncCheck` runs against a
 stand-in trainer with the four things it reads (state, accelerator, the metric sink, `args.output_dir`); the trainers'
-wiring runs against the real engine and server in tests/integration/test_vllm_cpu.py and test_async_dppo.py.
+wiring runs against the real engine and server in tests/integration/test_vllm_cpu.py and test_async_server.py.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """`dppo_trl.kernels.tree_attention`: the SDPA tree attention against a literal per-query softmax and the float32
-plain-PyTorch function, every branch in the dtypes models hand attention (bf16 weights, float32 weights under bf16
-autocast), its registration, and the choice "auto" makes when TRL's FA3 kernel cannot load.
+plain-PyTorch reference, every branch in the dtypes models hand attention (bf16 weights, float32 weights under bf16
+autocast), and the reference against SDPA on each unpacked sequence. Its registration under TRL's name and the choice
+between it and TRL's FA3 kernel are `dppo_trl.backends.tree_attention`'s (tests/unit/test_tree_attention_choice.py).
 
 Rows are packed by TRL's own `TreeRow`, so the segment tables are the ones the trainer sees.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from references import tree_attention_per_query
 
-from dppo_trl.kernels.tree_attention import (
-    FA3_FIX,
-    TREE_ATTENTION_CHOICES,
-    attention_dtype,
-    registered_tree_attention,
-    resolve_tree_attention,
-    tree_attention_sdpa,
-)
+from dppo_trl.kernels.tree_attention import attention_dtype, tree_attention_cpu, tree_attention_sdpa
 
 # One GRPO group: a shared prompt, completions forking at different depths (segments with L_k > L_q).
 SHARED_PREFIX = [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9], [1, 2, 6], [4, 4, 4, 4]]
@@ -79,15 +68,6 @@ def _qkv(n_tokens: int, heads: int, kv_heads: int, dtype=torch.float64, dim: int
     )
 
 
-def _tree_attention_cpu():
-    """The float32 plain-PyTorch function (`tree_attention="eager"`), imported by the CPU tests that use it: its module,
-    the CPU backend, imports `requests`, which neither the GPU check's wheel folder nor its machine provides, and the
-    gpu-marked tests of this file must collect there."""
-    from dppo_trl.backends.cpu.async_cpu import tree_attention_cpu
-
-    return tree_attention_cpu
-
-
 def _grads(out: torch.Tensor, inputs, weights: torch.Tensor):
     return torch.autograd.grad((out * weights).sum(), inputs)
 
@@ -127,12 +107,28 @@ def test_sdpa_equals_the_float32_plain_pytorch_function(sequences, kv_heads, win
     q, k, v = _qkv(len(packed["input_ids"]), 4, kv_heads, dtype=torch.float32)
     options = {"sliding_window": window, "softcap": softcap, **_tables(packed)}
     ours, _ = tree_attention_sdpa(None, q, k, v, None, **options)
-    reference, _ = _tree_attention_cpu()(None, q, k, v, None, **options)
+    reference, _ = tree_attention_cpu(None, q, k, v, None, **options)
     assert ours.dtype == reference.dtype == torch.float32
     torch.testing.assert_close(ours, reference, atol=2e-6, rtol=1e-5)
     weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
     for g_ours, g_ref in zip(_grads(ours, (q, k, v), weights), _grads(reference, (q, k, v), weights), strict=True):
         torch.testing.assert_close(g_ours, g_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_tree_attention_cpu_matches_sdpa_per_sequence(kv_heads):
+    """Shared prefixes forwarded once in the packed row give each sequence exactly its causal SDPA output."""
+    torch.manual_seed(0)
+    packed, positions = _pack(SHARED_PREFIX)
+    heads, dim, n = 4, 8, len(packed["input_ids"])
+    q, k, v = torch.randn(1, heads, n, dim), torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    out, _ = tree_attention_cpu(None, q, k, v, None, **_tables(packed))
+    for order in positions:  # each sequence's tokens in the packed row, in sequence order
+        qs, ks, vs = q[:, :, order], k[:, :, order], v[:, :, order]
+        ks = ks.repeat_interleave(heads // kv_heads, dim=1)
+        vs = vs.repeat_interleave(heads // kv_heads, dim=1)
+        expected = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out[:, order], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_long_segments_go_through_the_query_chunks():
@@ -284,86 +280,6 @@ def test_bad_tables_are_refused_with_the_reason():
     }
     with pytest.raises(ValueError, match="queries but a path of only 1 K/V rows"):
         tree_attention_sdpa(None, q, k, v, None, **dict(tables, **one_row_paths))
-
-
-def test_registration_is_scoped_and_restores_trls():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention, tree_attention
-
-    register_tree_attention()
-    trl_mask = AttentionMaskInterface._global_mapping[TREE_ATTENTION]
-    with registered_tree_attention(tree_attention_sdpa):
-        assert AttentionInterface._global_mapping[TREE_ATTENTION] is tree_attention_sdpa
-        assert AttentionMaskInterface._global_mapping[TREE_ATTENTION](x=1) is None
-    assert AttentionInterface._global_mapping[TREE_ATTENTION] is tree_attention
-    assert AttentionMaskInterface._global_mapping[TREE_ATTENTION] is trl_mask
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The choice
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def test_explicit_choices_and_cpu():
-    cpu = torch.device("cpu")
-    assert resolve_tree_attention("sdpa", cpu).function is tree_attention_sdpa
-    assert resolve_tree_attention("eager", cpu).function is _tree_attention_cpu()
-    auto = resolve_tree_attention("auto", cpu)
-    assert (auto.name, auto.function) == ("sdpa", tree_attention_sdpa)
-    assert "needs a CUDA device" in auto.reason
-    with pytest.raises(RuntimeError, match="tree_attention='fa3' cannot run: FlashAttention-3 needs a CUDA device"):
-        resolve_tree_attention("fa3", cpu)
-    with pytest.raises(ValueError, match="tree_attention must be one of"):
-        resolve_tree_attention("flash", cpu)
-    assert set(TREE_ATTENTION_CHOICES) == {"auto", "fa3", "sdpa", "eager"}
-
-
-# Run in a fresh process: TRL caches its kernel once loaded, and the Hub settings are read at import time.
-_RESOLVE_ON_CUDA = """
-import json, torch
-from dppo_trl.kernels.tree_attention import resolve_tree_attention
-auto = resolve_tree_attention("auto", torch.device("cuda"))
-try:
-    resolve_tree_attention("fa3", torch.device("cuda"))
-    fa3 = None
-except RuntimeError as error:
-    fa3 = str(error)
-print(json.dumps({"name": auto.name, "reason": auto.reason, "fa3_error": fa3}))
-"""
-
-
-def test_auto_falls_back_when_trls_kernel_cannot_load(tmp_path):
-    """On a CUDA device "auto" goes through TRL's real loader (`packing._flash_attn`: `kernels.get_kernel`, the Hub);
-    with the Hub offline and empty caches (or `kernels` not installed, as here) it cannot load, so "auto" falls back to
-    SDPA saying why, and an explicit "fa3" is refused naming the fix. Nothing touches the GPU before the kernel loads,
-    so this runs on CPU-only machines too."""
-    empty = tmp_path / "empty-cache"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(empty),
-        "HF_HUB_CACHE": str(empty / "hub"),
-        "HF_KERNELS_CACHE": str(empty / "kernels"),
-        "TRL_EXPERIMENTAL_SILENCE": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESOLVE_ON_CUDA], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["name"] == "sdpa"
-    assert result["reason"].startswith("loading kernels-community/flash-attn3 failed ("), result["reason"]
-    assert result["fa3_error"].startswith("tree_attention='fa3' cannot run: loading kernels-community/flash-attn3")
-    assert FA3_FIX in result["fa3_error"]
-
-
-def test_config_refuses_an_unknown_choice(tmp_path):
-    from dppo_trl import AsyncDPPOConfig
-
-    assert AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").tree_attention == "auto"
-    with pytest.raises(ValueError, match="tree_attention must be one of"):
-        AsyncDPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_attention="flash")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,50 +1,46 @@
 """CPU paths for TRL's experimental `AsyncGRPOTrainer`, chosen at run time where TRL's own path is GPU-only.
 
-Two parts of TRL 1.16's asynchronous trainer need CUDA:
+Three parts of TRL 1.16's asynchronous trainer need CUDA:
 
 1. **Tree attention.** The model is built with `attn_implementation="tree_fa3"`, which TRL registers in transformers'
    `AttentionInterface` as a FlashAttention-3 varlen kernel downloaded from the Hub (`kernels.get_kernel`).
-   `tree_attention_cpu` is the same contract in plain PyTorch: each packed segment's queries attend, causally and
-   bottom-right aligned (FlashAttention's convention when there are more keys than queries), to the K/V rows of its
-   root-to-segment path, with float32 score matrices per segment (O(L²) memory). It is the reference that
-   `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (the trainer's default wherever FA3 cannot run, CPU
-   included: `AsyncDPPOConfig.tree_attention`) is checked against, and `tree_attention="eager"` runs it.
-   `cpu_tree_attention()` registers it under TRL's name only while its `with` block runs and then puts back whatever
-   was registered before, so no global state is left behind.
+   `cpu_tree_attention()` registers the float32 reference of the same contract in plain PyTorch
+   (`dppo_trl.kernels.tree_attention.tree_attention_cpu`) under TRL's name only while its `with` block runs and then
+   puts back whatever was registered before, so no global state is left behind. (`AsyncDPPOTrainer` chooses through
+   `dppo_trl.backends.tree_attention`: SDPA wherever FA3 cannot run, CPU included.)
 2. **Peak-FLOPs lookup.** `AsyncGRPOTrainer.__init__` asks `torch.cuda.get_device_name` for the device's peak FLOPs
    (for its MFU metric), which raises on a CPU-only torch. `cpu_peak_flops()` answers `None` (MFU off, as TRL does for
    an unknown device) while its block runs; TRL's function is put back on exit.
-
-A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_flops()` and trained inside
-`cpu_tree_attention()` or `registered_tree_attention(tree_attention_sdpa)` (TRL's constructor registers its FA3
-function, so the other one goes in afterwards), with `weight_transfer=FileWeightTransfer(...)`;
-`dppo_trl.AsyncDPPOTrainer` does all three itself.
 3. **NCCL weight transfer.** `FileWeightTransfer` implements TRL's `WeightTransferProtocol` with the file-based
    reload CPU server mode already uses (`dppo_trl.backends.cpu.weight_sync.reload_server_weights_from_file`: a safetensors file in a
    private temporary directory, reloaded by the server's `WeightReloadExtension` over `/collective_rpc`). The server
    is `python -m dppo_trl.backends.cpu.vllm_server` (processed log-probs, development endpoints, the worker extension).
+
+A plain `AsyncGRPOTrainer` runs on CPU when it is constructed inside `cpu_peak_flops()` and trained inside
+`cpu_tree_attention()` or `dppo_trl.backends.tree_attention.registered_tree_attention(tree_attention_sdpa)` (TRL's
+constructor registers its FA3 function, so the other one goes in afterwards), with
+`weight_transfer=FileWeightTransfer(...)`; `dppo_trl.AsyncDPPOTrainer` does all three itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import requests
-import torch
 
 from dppo_trl.backends.cpu.construction import swapped_attribute
 from dppo_trl.backends.cpu.weight_sync import reload_server_weights_from_file
 from dppo_trl.backends.server_auth import API_KEY_ENV
+from dppo_trl.backends.tree_attention import registered_tree_attention
+from dppo_trl.kernels.tree_attention import tree_attention_cpu
 
 __all__ = [
     "FileWeightTransfer",
     "cpu_peak_flops",
     "cpu_tree_attention",
-    "tree_attention_cpu",
     "tree_attention_name",
 ]
 
@@ -56,71 +52,10 @@ def tree_attention_name() -> str:
     return TREE_ATTENTION
 
 
-def tree_attention_cpu(
-    module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    *,
-    tree_kv_index: torch.Tensor,
-    tree_cu_seqlens_q: torch.Tensor,
-    tree_cu_seqlens_k: torch.Tensor,
-    tree_max_seqlen_q=None,
-    tree_max_seqlen_k=None,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Variable-length causal attention over a packed tree row, in plain PyTorch (any device).
-
-    `query`/`key`/`value` are `(1, heads, N, head_dim)` (key/value may have fewer heads: grouped-query attention).
-    Segment s owns queries `cu_q[s]:cu_q[s+1]` and attends to the K/V rows `tree_kv_index[cu_k[s]:cu_k[s+1]]`, the
-    last `L_q` of which are its own tokens: query i sees key j iff `j ≤ i + L_k − L_q` (and, with a sliding window w,
-    `j > i + L_k − L_q − w`). Softmax in float32. Returns `((1, N, heads, head_dim), None)` like transformers'
-    attention functions. `dropout` is accepted and ignored: the trainer's forward is not a dropout forward.
-    """
-    _, heads, n_tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    q_all = query[0].transpose(0, 1)  # (N, H, D)
-    k_all = key[0].transpose(0, 1).index_select(0, tree_kv_index.long())
-    v_all = value[0].transpose(0, 1).index_select(0, tree_kv_index.long())
-    cu_q = tree_cu_seqlens_q.tolist()
-    cu_k = tree_cu_seqlens_k.tolist()
-    out = query.new_zeros(n_tokens, heads, head_dim)
-    for s in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        len_q, len_k = q1 - q0, k1 - k0
-        if len_q == 0:
-            continue
-        q = q_all[q0:q1].transpose(0, 1).float()  # (H, Lq, D)
-        k = k_all[k0:k1].transpose(0, 1).float()  # (Hkv, Lk, D)
-        v = v_all[k0:k1].transpose(0, 1).float()
-        if kv_heads != heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=0)
-            v = v.repeat_interleave(heads // kv_heads, dim=0)
-        scores = (q @ k.transpose(-1, -2)) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        rows = torch.arange(len_q, device=q.device).unsqueeze(1) + (len_k - len_q)
-        cols = torch.arange(len_k, device=q.device).unsqueeze(0)
-        allowed = cols <= rows
-        if sliding_window:
-            allowed = allowed & (cols > rows - sliding_window)
-        scores = scores.masked_fill(~allowed, -math.inf)
-        out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(out.dtype)
-    return out.unsqueeze(0), None
-
-
 @contextlib.contextmanager
 def cpu_tree_attention() -> Iterator[None]:
     """Register `tree_attention_cpu` (and TRL's no-op mask) under TRL's tree-attention name for the `with` block only,
     then restore the previous registrations (TRL's FA3 kernel, or nothing)."""
-    from dppo_trl.kernels.tree_attention import registered_tree_attention
-
     with registered_tree_attention(tree_attention_cpu):
         yield
 

@@ -12,7 +12,7 @@ part is deleted and the hook becomes TRL's:
 | `_policy_version()`: the version of the weights being trained, on every rank | broadcast from the main process once per optimizer step (TRL bumps `model_version` on the main process only, between steps) | async-3 |
 | no peak-FLOPs lookup and a file-based weight transfer on a machine without CUDA | `cpu_peak_flops()` swaps TRL's lookup while the parent is built; `FileWeightTransfer` as the default `weight_transfer` (`dppo_trl.backends.cpu.async_cpu`) | async-4 |
 | `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `async_topk.py`) | async-5 |
-| the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.kernels.tree_attention.registered_tree_attention`) | async-6 |
+| the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.backends.tree_attention.registered_tree_attention`) | async-6 |
 | each turn fitted to the server's context (a turn with no room ends its conversation) | `ContextFitRolloutLoop` (`async_context.py`), a subclass of TRL's private rollout loop restating its `_generate_one` with the check, and the base of `TopKRolloutLoop`, run by the same worker swap | async-7 |
 | LoRA weights merged out of place, gathered one decoder layer at a time, in every merged-weight sync | `_sync_weight_merged` restated without its in-place `merge_adapter()` / `unmerge_adapter()`, streaming `dppo_trl.weights.stream.merged_named_weights` (the names, dtypes and shapes of TRL's manifest) | async-8 |
 | `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` (`common.final_hidden_states`) | kept |
@@ -56,7 +56,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
-from dppo_trl.kernels.tree_attention import TreeAttentionChoice, registered_tree_attention
+from dppo_trl.backends.tree_attention import TreeAttentionChoice, registered_tree_attention
 from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
 from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker, _current_task
 from dppo_trl.trainers.trl116.async_topk import (
@@ -339,16 +339,6 @@ class HookedAsyncGRPOTrainer(CommonRoom, AsyncGRPOTrainer):
             f"{self.args.request_timeout} s or heartbeat_stale_after_s={self.args.heartbeat_stale_after_s} s."
         )
         return self.args.vllm_server_base_url, bound
-
-    def _model_card_settings(self) -> tuple[str | None, list[tuple[str, object]]]:
-        args = self.args
-        return "server", [
-            ("learning_rate", args.learning_rate),
-            ("num_generations", args.num_generations),
-            ("temperature", args.temperature),
-            ("max_staleness", args.max_staleness),
-            ("generation", "vLLM (server, asynchronous)"),
-        ]
 
     # ------------------------------------------------------------------------------------------------------------
     # async-1 and async-2: the restated dataloader and the loss around TRL's

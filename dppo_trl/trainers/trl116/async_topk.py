@@ -42,8 +42,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _chain_to_sequences,
 )
 
-from dppo_trl.trainers.kept_set import VLLM_LOGPROB_FLOOR
-from dppo_trl.trainers.trl116.vllm_topk import PAD_ID, topk_entries_to_tensors
+from dppo_trl.trainers.trl116.vllm_topk import PAD_ID, VLLM_LOGPROB_FLOOR, topk_entries_to_tensors
 
 __all__ = [
     "BEHAVIOR_TOPK_IDS",

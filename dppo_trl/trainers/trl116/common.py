@@ -95,7 +95,7 @@ def final_hidden_states(model: Any) -> Iterator[list[Tensor]]:
 class CommonRoom:
     """Both rooms' base: TRL's metric sink, and the hardening (dppo_trl/hardening/) in transformers' `train`,
     `_save_checkpoint` and `create_model_card`. A room says what differs by parent (`_watched_server`,
-    `_training_context`, `_model_card_settings`)."""
+    `_training_context`) and the trainer what its card shows (`_model_card_arguments`)."""
 
     # Set by TRL's trainers (pinned: `TRAINER_ATTRIBUTES`, `ASYNC_TRAINER_ATTRIBUTES`).
     _metrics: dict[str, Any]
@@ -113,9 +113,9 @@ class CommonRoom:
         """What else `train()` runs inside (the CPU colocate thread bound)."""
         return contextlib.nullcontext()
 
-    def _model_card_settings(self) -> tuple[str | None, list[tuple[str, object]]]:
-        """The vLLM mode the card names (`None`: no vLLM) and the parent's settings shown with DPPO's."""
-        return None, []
+    def _model_card_arguments(self) -> dict[str, Any]:
+        """What the trainer's card says beyond TRL's (`write_model_card`'s `vllm_mode`, `sampling`, `settings`)."""
+        raise NotImplementedError
 
     def train(self, *args, **kwargs):
         """Parent's `train` inside the hardening (`dppo_trl/hardening/training.py`): a SIGTERM checkpoint
@@ -133,13 +133,11 @@ class CommonRoom:
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card with honest provenance and versions, plus the DPPO settings (`write_model_card`)."""
-        vllm_mode, settings = self._model_card_settings()
         write_model_card(
             self,
             super().create_model_card,  # type: ignore[misc]
             model_name=model_name,
             dataset_name=dataset_name,
             tags=tags,
-            vllm_mode=vllm_mode,
-            settings=settings,
+            **self._model_card_arguments(),
         )

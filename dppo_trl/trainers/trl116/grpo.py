@@ -170,17 +170,6 @@ class HookedGRPOTrainer(CommonRoom, GRPOTrainer):
             threads = cpu_colocate_threads(self.accelerator.num_processes)
         return trainer_cpu_threads(threads)
 
-    def _model_card_settings(self) -> tuple[str | None, list[tuple[str, object]]]:
-        args = self.args
-        return args.vllm_mode if args.use_vllm else None, [
-            ("loss_type", args.loss_type),
-            ("beta", args.beta),
-            ("learning_rate", args.learning_rate),
-            ("num_generations", args.num_generations),
-            ("temperature", args.temperature),
-            ("generation", f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"),
-        ]
-
     # ------------------------------------------------------------------------------------------------------------
     # The hooks a subclass implements or overrides
     # ------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The `dppo-trl` console script launching several processes: `--accelerate_config multi_gpu --num_processes 2` on
 CPU (two gloo ranks, transformers generation, flags only, a reward by import path), as short as the multi-process
 tests. The server-mode runs (`dppo-trl vllm-serve` used by `train` and `train-async`, trackio read back) share the
-asynchronous tests' server in tests/integration/test_async_dppo.py; the rest is in process in tests/unit/test_cli.py.
+asynchronous tests' server in tests/integration/test_async_server.py; the rest is in process in tests/unit/test_cli.py.
 """
 
 from __future__ import annotations
