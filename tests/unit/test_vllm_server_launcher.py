@@ -56,4 +56,7 @@ def test_worker_extension_is_what_the_launcher_names():
 
     assert resolve_obj_by_qualname(WORKER_EXTENSION) is WeightReloadExtension
     assert callable(getattr(WeightReloadExtension, SERVER_RELOAD_METHOD))
-    assert not hasattr(CPUWorker, SERVER_RELOAD_METHOD)  # vLLM refuses extensions that shadow worker attributes
+    # vLLM refuses extensions that shadow worker attributes. An in-process engine started earlier in the session has
+    # already appended the extension to CPUWorker's bases, so look past it rather than at hasattr.
+    owners = [cls for cls in CPUWorker.__mro__ if SERVER_RELOAD_METHOD in vars(cls)]
+    assert owners in ([], [WeightReloadExtension])
