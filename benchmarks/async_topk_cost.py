@@ -14,7 +14,7 @@
 
 """
 What carrying μ's top-K lists costs in `AsyncDPPOTrainer`, binary (`binary_tv`) against top-K (`topk_tv`, K lists),
-at each stage of the asynchronous data path (`dppo_trl/trainers/async_topk.py`):
+at each stage of the asynchronous data path (`dppo_trl/trainers/trl116/async_topk.py`):
 
 - `server_response`: bytes per completion token of the server's `/v1/completions` choice (`"logprobs": 0` against
   `"logprobs": K` with `token_id:N` keys), built in vLLM's format from random ids and log-probs, and the time
@@ -102,7 +102,7 @@ def _samples(args, rng, vocab: int, topk: bool):
     import numpy as np
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-    from dppo_trl.trainers.async_topk import TopKRolloutSample, completion_topk
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample, completion_topk
 
     samples = []
     for i in range(args.samples):
@@ -251,7 +251,7 @@ def _gather_time(trainer, batch, repeats: int) -> float:
     import torch
 
     from dppo_trl.kernels.topk_logps import logps_at_ids_from_sampled
-    from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS
+    from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_IDS
 
     ids = batch[BEHAVIOR_TOPK_IDS][batch["token_index"] >= 0]
     weight = trainer.model.get_output_embeddings().weight
@@ -266,7 +266,7 @@ def _measure(args, tmp: str) -> dict:
     import numpy as np
     import torch
 
-    from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, completion_topk
+    from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS, completion_topk
 
     torch.manual_seed(0)
     trainers = {name: _trainer(args, tmp, name) for name in ("binary_tv", "topk_tv")}

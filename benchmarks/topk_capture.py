@@ -117,7 +117,7 @@ def _measure(args: argparse.Namespace, tmp: str) -> dict:
     from vllm import LLM, SamplingParams
 
     from dppo_dev.tiny_models import build_byte_tokenizer, save_tiny_model
-    from dppo_trl.trainers.vllm_topk import VLLMTopKCapture, topk_entries_to_tensors
+    from dppo_trl.trainers.trl116.vllm_topk import VLLMTopKCapture, topk_entries_to_tensors
 
     load_before = load_average()
     tokenizer = build_byte_tokenizer()

@@ -15,8 +15,8 @@ KEPT = "kept"
 # "## AsyncGRPOTrainer").
 HOOKS = {
     "grpo-1": "1. A predicate for the π_old pass",
-    "grpo-2": "2. A per-token weight hook that receives the batch",
-    "grpo-3": "3. Opening the ratio clip",
+    "grpo-2": "2. A per-token policy-loss hook that receives the batch and the forward",
+    "grpo-3": "3. The β-KL's importance weight against the sampling policy",
     "grpo-4": "4. An aggregation helper for extra per-token terms",
     "grpo-5": "5. Per-turn engine extras in the tool loop",
     "grpo-6": "6. Context length in the tool loop",
@@ -38,31 +38,35 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "OVERRIDDEN_METHODS": {
         "_generate_and_score_completions": KEPT,  # attaches μ's lists and the kept set to the batch
         "_get_per_token_logps_and_entropies": KEPT,  # the final hidden states for top-K, besides the declined pass
-        "_compute_loss": "grpo-2",  # only sets the per-call slot
-        "get_off_policy_mask": "grpo-2",
+        "_compute_loss": "grpo-2",  # TRL's loss with zeroed advantages, plus the hook's term
         "_tool_call_loop": "grpo-6",
     },
     "HARDENING_OVERRIDDEN_METHODS": KEPT,
-    "STATIC_METHODS": "grpo-2",
     "TRAINER_ATTRIBUTES": {
-        "epsilon_low": "grpo-3",
-        "epsilon_high": "grpo-3",
         "off_policy_mask_threshold": "grpo-2",
         "_metrics": KEPT,
         "current_gradient_accumulation_steps": "grpo-4",
-        "top_entropy_quantile": "grpo-4",
+        "top_entropy_quantile": "grpo-2",
     },
     "VLLM_TRAINER_ATTRIBUTES": KEPT,
+    # The subclass's term runs outside TRL's policy chain: with the grpo-2 hook TRL would apply its own masks to it.
     "COMPUTE_LOSS_FRAGMENTS": {
+        "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(": "grpo-2",
+        "per_token_loss1 = coef_1 * advantages": "grpo-2",
+        "per_token_loss2 = coef_2 * advantages": "grpo-2",
         'inputs.get("old_per_token_logps")': "grpo-3",
-        "per_token_logps.detach() if old_per_token_logps is None": "grpo-3",
+        'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]': "grpo-2",
+        "if advantages.dim() == 1:": "grpo-2",
+        "per_token_logps.detach() if old_per_token_logps is None": "grpo-2",
+        'sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)': "grpo-2",
         "if self.off_policy_mask_threshold is not None:": "grpo-2",
         "self.get_off_policy_mask(": "grpo-2",
         "per_token_loss = per_token_loss * off_policy_mask": "grpo-2",
-        "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)": "grpo-3",
-        "if advantages.dim() == 1:": "grpo-3",
-        "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)": "grpo-4",
-        "per_token_loss = per_token_loss * entropy_mask": "grpo-4",
+        "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)": "grpo-2",
+        "per_token_loss = per_token_loss * entropy_mask": "grpo-2",
+        'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":': "grpo-2",
+        'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]': "grpo-2",
+        'self._metrics[mode]["policy_loss"]': "grpo-2",
     },
     "LOSS_AGGREGATION_FRAGMENTS": "grpo-4",
     "PER_TOKEN_LOGPS_ARITY": KEPT,
@@ -135,7 +139,8 @@ REMOVED_BY: dict[str, str | dict[str, str]] = {
     "ASYNC_WORKER_FRAGMENTS_CONTROLLER": "async-5",
     "ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS": "async-7",
     "ASYNC_CONTEXT_WORKER_FRAGMENTS": "async-7",
-    "ASYNC_PUSH_ROLLOUT_METRICS_PARAMS": "async-7",
+    "ASYNC_GENERATE_ONE_EDITS": "async-7",
+    "ASYNC_LOOP_ATTRIBUTES": "async-7",
     "ASYNC_COUNTER_METRIC_FRAGMENT": KEPT,  # how TRL logs any worker counter, hook or not
     "ASYNC_TRAINER_WORKER_FRAGMENTS": "async-5",
     "JIT_CHECKPOINT_FRAGMENTS": KEPT,

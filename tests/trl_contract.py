@@ -10,70 +10,69 @@ from __future__ import annotations
 
 TESTED_TRL_RANGE = (">=1.16.0", "<1.17")
 
-# GRPOTrainer methods DPPOTrainer overrides (thin wrappers calling super()), with the parameters it relies on.
-# Each overridden GRPOTrainer method with the leading parameters DPPOTrainer names (the rest pass through `*args`,
-# `**kwargs`). Removed by: the hooks in docs/upstream.md for the loss seams; the others are ordinary overrides.
+# GRPOTrainer methods the sync room (`dppo_trl/trainers/trl116/grpo.py`) overrides (wrappers calling super()), with
+# the leading parameters it names (the rest pass through `*args`, `**kwargs`). Removed by: the hooks in docs/upstream.md
+# for the loss seams; the others are ordinary overrides.
 OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_generate_and_score_completions": ("self", "inputs"),
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
     "_compute_loss": ("self", "model", "inputs"),
-    "get_off_policy_mask": (
-        "advantages",
-        "per_token_logps",
-        "sampling_per_token_logps",
-        "mask",
-        "off_policy_threshold",
-    ),
     # Marks the span in which a turn with no room left in the engine's context ends its rollout instead of raising
     # (`dppo_trl/trainers/trl116/context_fit.py`). Removed by: a per-turn context check in TRL's tool loop that asks the
     # backend for its context length (docs/upstream.md, "Context length in the tool loop").
     "_tool_call_loop": ("self",),
 }
 
-# The methods both trainers override for the hardening (dppo_trl/hardening/: staged checkpoints, preemption and
-# server-failure exits, model-card provenance), with the same parameters on GRPOTrainer and AsyncGRPOTrainer (`train`
-# and `create_model_card` are transformers'/TRL's base methods on both). Ordinary overrides calling `super()`.
+# The methods both rooms override for the hardening (dppo_trl/hardening/: staged checkpoints, preemption and
+# server-failure exits, model-card provenance), once, in their common base `dppo_trl.trainers.trl116.common.CommonRoom`,
+# with the same parameters on GRPOTrainer and AsyncGRPOTrainer (`train` and `create_model_card` are
+# transformers'/TRL's base methods on both). Ordinary overrides calling `super()`.
 HARDENING_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "create_model_card": ("self", "model_name", "dataset_name", "tags"),
     "_save_checkpoint": ("self", "model", "trial"),
     "train": ("self",),
 }
 
-# Of those, the static methods: on the class DPPOTrainer's are TRL's own, same signature (TRL's tests call them there).
-# `get_off_policy_mask` is the slot the DPPO weight goes through: the parent's `_compute_loss` calls it as
-# `self.get_off_policy_mask(...)` with π, which on a DPPOTrainer instance is `_off_policy_mask`
-# (dppo_trl/trainers/dppo_trainer.py). Removed by: a per-token weight hook that receives the batch (docs/upstream.md).
-STATIC_METHODS = ("get_off_policy_mask",)
-
-# Trainer attributes DPPOTrainer reads or sets after `GRPOTrainer.__init__` (everything else it reads from the public
-# config, `self.args`): the clip it opens and the threshold that makes TRL call its mask hook (seam 2), TRL's metric
-# sink, and transformers' accumulation counter the μ-KL aggregation scales by.
+# Trainer attributes the sync room reads after `GRPOTrainer.__init__` (everything else it reads from the public config,
+# `self.args`): the two masks it restates on the subclass's policy term, TRL's metric sink, and transformers'
+# accumulation counter the aggregation scales by.
 TRAINER_ATTRIBUTES = (
-    "epsilon_low",
-    "epsilon_high",
     "off_policy_mask_threshold",
     "_metrics",
     "current_gradient_accumulation_steps",
-    "top_entropy_quantile",  # truncated sampling: the kept-set correction is part of the policy term (entropy mask)
+    "top_entropy_quantile",
 )
 VLLM_TRAINER_ATTRIBUTES = ("vllm_generation",)
 
-# Source fragments of GRPOTrainer._compute_loss the DPPO loss composition depends on (see dppo_trl/trainers/dppo_trainer.py).
+# Source fragments of GRPOTrainer._compute_loss the sync room's loss composition depends on
+# (`HookedGRPOTrainer._compute_loss`, dppo_trl/trainers/trl116/grpo.py): TRL's loss runs with zeroed advantages and the
+# subclass's per-token policy loss is added after it, under TRL's masks and aggregation.
 COMPUTE_LOSS_FRAGMENTS = (
-    'inputs.get("old_per_token_logps")',  # μ is read from here, `per_token_logps.detach()` when absent
+    # One policy pass per call (the test counts it), whose π, entropies and hidden states the room keeps.
+    "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(",
+    # The supported loss types' surrogate is linear in A: zeroed advantages give value 0 and gradient 0.
+    "per_token_loss1 = coef_1 * advantages",
+    "per_token_loss2 = coef_2 * advantages",
+    # μ is read from here for the bias-corrected β-KL (`per_token_kl * coef_1`).
+    'inputs.get("old_per_token_logps")',
+    # The loss tokens and the masks the room restates on the subclass's term, with TRL's arguments.
+    'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]',
+    "if advantages.dim() == 1:",
     "per_token_logps.detach() if old_per_token_logps is None",
-    "if self.off_policy_mask_threshold is not None:",  # the hook is called only for a non-None threshold
+    'sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)',
+    "if self.off_policy_mask_threshold is not None:",
     "self.get_off_policy_mask(",
     "per_token_loss = per_token_loss * off_policy_mask",
-    "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",  # the clip DPPOTrainer opens
-    "if advantages.dim() == 1:",
-    # Truncated sampling: DPPOTrainer adds `LossOutputs.kept_correction` (part of the policy term) next to the parent's
-    # loss and applies the same entropy mask to it, recomputed with the parent's own method and arguments.
     "entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)",
     "per_token_loss = per_token_loss * entropy_mask",
+    'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":',
+    'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]',
+    # What TRL logs about its policy term, dropped with it: the clip rates and, with the entropy bonus, this.
+    'self._metrics[mode]["policy_loss"]',
 )
-# GRPOTrainer's aggregation of the policy term, which `dppo_trl.trainers.trl116.grpo.aggregate_per_token_loss` reproduces for the
-# μ-KL term (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the multi-process scaling too).
+# GRPOTrainer's aggregation of the policy term, which `dppo_trl.trainers.trl116.grpo.aggregate_per_token_loss` reproduces for
+# the subclass's terms (behaviourally pinned by tests/integration/test_mu_kl.py with one process; these pin the
+# multi-process scaling too).
 LOSS_AGGREGATION_FRAGMENTS = (
     "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
     "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
@@ -87,7 +86,7 @@ LOSS_AGGREGATION_FRAGMENTS = (
 )
 # `_get_per_token_logps_and_entropies` returns `(logps, entropies, aux_loss)`.
 PER_TOKEN_LOGPS_ARITY = 3
-# It calls the model with the fused LM head, whose backbone output DPPOTrainer hooks for the final hidden states. The
+# It calls the model with the fused LM head, whose backbone output the sync room hooks for the final hidden states. The
 # head computes an MoE model's router aux loss from the router logits the backbone records, not in a model forward
 # that Liger could replace: why `use_liger_kernel` keeps the aux loss (docs/api.md).
 PER_TOKEN_LOGPS_FRAGMENTS = ("fused_lm_head=True", "outputs.log_probs[:, -logits_to_keep:]")
@@ -98,7 +97,7 @@ FUSED_HEAD_FRAGMENTS = (
     "backbone_outputs.router_logits, num_experts, num_experts_per_tok",
 )
 
-# Keys of the generation batch DPPOTrainer reads.
+# Keys of the generation batch the sync room and DPPOTrainer read.
 GENERATION_OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
 GENERATION_OPTIONAL_KEYS = ("sampling_per_token_logps", "old_per_token_logps", "tool_mask", "num_items_in_batch")
 
@@ -122,8 +121,8 @@ GENERATE_SINGLE_TURN_FRAGMENTS = (
 )
 # The weight-sync check (dppo_trl/trainers/sync_check.py): GRPOTrainer loads the trainer's weights into the engine
 # before a generation whenever the optimizer step changed, and records that step in `_last_loaded_step` (set in its
-# `__init__`), on every process; DPPOTrainer reads it after each training generation to know which optimizer step's
-# weights sampled the batch, so that only that step's loss calls count as fresh. Checked in `_generate_single_turn`
+# `__init__`), on every process; the sync room puts it on each generation batch (`WEIGHTS_STEP`), so that DPPOTrainer
+# counts as fresh only the loss calls of the optimizer step whose weights sampled it. Checked in `_generate_single_turn`
 # and in `_generate` (the `rollout_func` path). Removed by: the generation batch carrying the step of the weights
 # that sampled it (docs/upstream.md, "The step of the weights that sampled a generation batch").
 WEIGHT_SYNC_ATTRIBUTE = "_last_loaded_step"
@@ -132,7 +131,7 @@ WEIGHT_SYNC_FRAGMENTS = (
     "self.vllm_generation.sync_weights()",
     "self._last_loaded_step = self.state.global_step",
 )
-# Top-K DPPO with tools (`dppo_trl/trainers/vllm_topk.py`, `place_turns`): every generate call returns one prompt per
+# Engine lists with tools (`dppo_trl/trainers/trl116/vllm_topk.py`, `place_turns`): every generate call returns one prompt per
 # completion, as the engine saw it (colocate: `n=1` per request; server: unique prompts expanded back), and the tool
 # loop builds a later turn's prompt by concatenation, regenerates the rows that called a tool in increasing row order,
 # cuts the last turn by prefix slicing, and splices the tool-result tokens with `tool_mask` 0. Together these let the
@@ -364,7 +363,7 @@ WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "pause", "send_weights", "res
 # `VLLMClient` (async) methods `FileWeightTransfer` calls.
 ASYNC_VLLM_CLIENT_METHODS = ("wait_for_server_ready", "get_server_info", "pause", "resume")
 
-# Top-K in async (dppo_trl/trainers/trl116/async_grpo.py, dppo_trl/trainers/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
+# Top-K in async (dppo_trl/trainers/trl116/async_grpo.py, dppo_trl/trainers/trl116/async_topk.py). TRL's worker asks for `"logprobs": 0`; `TopKRolloutLoop`
 # subclasses the worker's loop and `TopKRolloutWorker` runs it through the worker's `_loop_cls`, built from the
 # `_loop_kwargs` TRL built its worker with (TRL's own resume reads them too), swapped in before `train` starts it.
 # → one `logprobs` option of the worker returning the entries in `TurnRecord` and `RolloutSample` (docs/upstream.md,
@@ -377,15 +376,13 @@ ASYNC_LOOP_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_score_group": ("self", "group"),  # turns each sample into a `TopKRolloutSample`
 }
 # `_generate_one_turn` sends each turn's request through `self._post` inside the conversation's task, reading these;
-# `_generate_one` is one asyncio task per conversation, reconciles its turns with `_chain_to_sequences` and returns the
-# rows third; `_score_group` makes one sample per row, in `completions_sequences` order.
+# `_generate_one` is one asyncio task per conversation (the loop's is the context fit's restatement, checked token for
+# token against TRL's: it reconciles the turns with `_chain_to_sequences` and returns the rows third); `_score_group`
+# makes one sample per row, in `completions_sequences` order.
 ASYNC_WORKER_FRAGMENTS = (
     'lambda: self._post("/v1/completions", payload, self.request_timeout)',
     '"prompt": prompt_ids,',
     'return choice["token_ids"], choice["logprobs"]["token_logprobs"]',
-    "turns.append(TurnRecord(prompt_ids, turn_ids, turn_logprobs))",
-    "sequences, tally = _chain_to_sequences(turns, rollout_id, self._fork_threshold_tokens)",
-    "return completion, completion_ids, sequences, tool_call_count, tool_failure_count, None",
     "task = asyncio.create_task(",
     "self._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)",
     "for seq in sequences:",
@@ -399,37 +396,31 @@ TRAINING_SEQUENCE_FIELDS = ("input_ids", "completion_mask", "old_log_probs", "ro
 ASYNC_WORKER_SAMPLING_FRAGMENTS = ('"top_p": self.top_p,', '"top_k": self.top_k,', 'payload["min_p"] = self.min_p')
 ASYNC_TRAINER_SAMPLING_FRAGMENTS = ("top_p=self.args.top_p,", "top_k=self.args.top_k,", "min_p=self.args.min_p,")
 # Context fit in async (dppo_trl/trainers/trl116/async_context.py): `ContextFitRolloutLoop` (the base of `TopKRolloutLoop`)
-# caps each completions request's `max_tokens` at the room left in the server's context (`_post`), counts the turn
-# (`_generate_one_turn`), records each turn and tool result of the conversation's task (`_generate_one_turn`,
-# `_execute_tool_calls`) and, when a later turn has no room, returns `_generate_one`'s result for the turns so far,
-# parsed and reconciled as TRL does (`parse_response`, `_chain_to_sequences`, `_push_rollout_metrics`). The worker
-# sends `self.max_tokens` every turn, and retries an HTTP 400 as a transport error (`aiohttp.ClientError`), so a turn
-# over the context stalls and then kills the worker. Its counters are summed when their name holds `total`.
-# → the worker fitting `max_tokens` to the server's context and ending the conversation itself (docs/upstream.md,
-# "AsyncGRPOTrainer" item 6) removes this block.
+# caps each completions request's `max_tokens` at the room left in the server's context (`_post`) and restates
+# `_generate_one` with one edit: before each turn `_fits_context` counts it (clamped or ended) and, when it has no room,
+# `break`s out of the turn loop as a finished conversation does. The worker sends `self.max_tokens` every turn, and
+# retries an HTTP 400 as a transport error (`aiohttp.ClientError`), so a turn over the context stalls and then kills
+# the worker. The loop's counters (`_counters`, summed when their name holds `total`) and its served model's name
+# (`_request_model`, for `/v1/models`) are read. → the worker fitting `max_tokens` to the server's context and ending
+# the conversation itself (docs/upstream.md, "AsyncGRPOTrainer" item 7) removes this block.
 ASYNC_CONTEXT_LOOP_OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_post": ("self", "path", "payload", "timeout", "max_retries"),
-    "_generate_one_turn": ("self", "prompt_ids"),
-    "_execute_tool_calls": ("self", "tool_calls", "tool_dict"),
     "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),
 }
 ASYNC_CONTEXT_WORKER_FRAGMENTS = (
     '"max_tokens": self.max_tokens,',
-    "turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)",
-    "assistant_message = parse_response(self.tokenizer, turn_ids, prefix=prompt_ids, tools=tools)",
-    "tool_messages, n_calls, n_failures = await self._execute_tool_calls(tool_calls, tool_dict)",
-    "completion.extend(tool_messages)",
     "_RETRYABLE_HTTP_ERRORS = (aiohttp.ClientError,",
 )
-ASYNC_PUSH_ROLLOUT_METRICS_PARAMS = (
-    "self",
-    "turns",
-    "sequences",
-    "completion_ids",
-    "tally",
-    "loop_exhausted",
-    "duration_s",
+# `ContextFitRolloutLoop._generate_one` is TRL's `_AsyncRolloutLoop._generate_one` (same tokens, comments aside) with
+# exactly these edits (ours, TRL's).
+ASYNC_GENERATE_ONE_EDITS = (
+    (
+        "if not await self._fits_context(prompt_ids, turns): break "
+        "turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)",
+        "turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)",
+    ),
 )
+ASYNC_LOOP_ATTRIBUTES = ("_counters", "_request_model")
 ASYNC_COUNTER_METRIC_FRAGMENT = 'if "total" in words:'
 # The worker's class attribute naming its loop, and its stored constructor arguments.
 ASYNC_WORKER_FRAGMENTS_CONTROLLER = ("_loop_cls:", "self._loop_kwargs = loop_kwargs", "self._loop_cls,")

@@ -15,8 +15,9 @@ kept, so π is compared as π_kept(y) = π(y) / π(kept) (`LossInputs.kept_log_m
 gradient flows through log π_kept, and positions whose kept set the engine could not list (`kept_overflow`) are left
 out like an invalid μ. Without a kept set nothing here changes.
 
-Every baseline of the registry is another `w_t` on the same path. The trainers hand `loss_t` (and `kl_t`) to their
-parent, which aggregates them as it aggregates its own policy term (`dppo_trl.trainers.trl116`).
+Every baseline of the registry is another `w_t` on the same path. Both trainers hand `loss_t` (and `kl_t`) to their
+TRL room, which aggregates them as the parent aggregates its own policy term (`dppo_trl.trainers.dppo_loss`,
+`dppo_trl.trainers.trl116`).
 
 Imports torch only.
 """
@@ -52,9 +53,6 @@ class LossOutputs:
         divergence: D(π, μ) (float32, detached), computed once for the coefficient, the stats and the observers.
         stats: this process's 0-dim sums and maxima behind the `dppo/*` metrics (`metrics.trust_region_metrics`
             reduces them across processes).
-        kept_correction: truncated sampling only: `A · w · (L − sg L)` with `L = kept_log_mass`, value 0, gradient
-            `A·w·∇log π(kept)`. An adapter whose parent already produces `−A·w·∇log π` (`DPPOTrainer`) adds it,
-            aggregated like the policy term, to get eq. 11's `−A·w·∇log π_kept`. `None` without a kept set.
     """
 
     policy_loss: Tensor
@@ -62,7 +60,6 @@ class LossOutputs:
     coef: Tensor
     divergence: Tensor
     stats: dict[str, Tensor]
-    kept_correction: Tensor | None = None
 
 
 def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
@@ -99,15 +96,4 @@ def policy_loss(spec: TrustRegionSpec, inputs: LossInputs) -> LossOutputs:
         # μ := π outside `counted` first: a NaN there would otherwise reach the gradient (0 · NaN) through `where`.
         safe_mu = torch.where(counted, mu, pi)
         mu_kl = torch.where(counted, mu_kl_penalty(pi_grad, safe_mu, spec.mu_kl_coef), torch.zeros_like(pi))
-    kept_correction = None
-    if inputs.kept_log_mass is not None:
-        log_mass = inputs.kept_log_mass.float()
-        kept_correction = adv * coef * (log_mass - log_mass.detach())
-    return LossOutputs(
-        policy_loss=per_token,
-        mu_kl=mu_kl,
-        coef=coef,
-        divergence=divergence,
-        stats=stats,
-        kept_correction=kept_correction,
-    )
+    return LossOutputs(policy_loss=per_token, mu_kl=mu_kl, coef=coef, divergence=divergence, stats=stats)

@@ -7,15 +7,15 @@ anchor: the trust region is taken against μ, however stale.
 
 `AsyncDPPOTrainer` subclasses `HookedAsyncGRPOTrainer` (`dppo_trl.trainers.trl116.async_grpo`, the room where TRL
 1.16's bridging lives: the sampling version carried to the batch, TRL's loss run for its forward, the rollout worker
-that asks for μ's lists) and implements its per-token policy loss, one method that reads top to bottom (see
-docs/theory.md "Asynchronous DPPO"):
+that asks for μ's lists, the CPU paths) and shares its loss with `DPPOTrainer` (`dppo_trl.trainers.dppo_loss.DPPOLoss`,
+see docs/theory.md "Asynchronous DPPO"):
 
-    AsyncDPPOTrainer._per_token_policy_loss(inputs, forward)    called by the parent's loss after its one forward
+    DPPOLoss._per_token_policy_loss(inputs, forward)            called by the room after TRL's loss and its one forward
       ├ loss_inputs = self._loss_inputs(inputs, forward)         LossInputs(π, μ, A, staleness, ...), π at the
       │                                                          engine's lists (top-K, kept set)
       ├ outputs = policy_loss(self.trust_region_spec, loss_inputs)
-      ├ log_trust_region_metrics(self, outputs.stats, "train")   `dppo/*`, by staleness too
-      └ per-token eq. 11 (+ μ-KL), which the parent sums and scales as TRL scales its own policy term
+      ├ self._log_loss_call(...)                                 `dppo/*`, by staleness too; the weight-sync check
+      └ per-token eq. 11 (+ μ-KL), which the room sums and scales as TRL scales its own policy term
 
 Top-K divergences (`topk_tv`, `topk_kl`) and truncated sampling (`top_k`, `top_p`, `min_p`): the worker asks the
 server for K, or N = `kept_set_size`, log-probs per token (`_rollout_logprobs`); the lists ride to the batch
@@ -28,33 +28,24 @@ FlashAttention-3 kernel from the Hub. The choice is resolved before the model is
 (and can run), the room registers `dppo_trl.kernels.tree_attention.tree_attention_sdpa` (or the float32 reference)
 under TRL's name only while its training step (forward and backward) or loss runs, then restores TRL's registration.
 
-On CPU (no CUDA, or `use_cpu=True`) the trainer applies `dppo_trl.backends.cpu.async_cpu`'s paths: no peak-FLOPs
+On CPU (no CUDA, or `use_cpu=True`) the room applies `dppo_trl.backends.cpu.async_cpu`'s paths: no peak-FLOPs
 lookup, and the file-based weight transfer to `python -m dppo_trl.backends.cpu.vllm_server`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
-from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
 from dppo_trl.backends.tree_attention import TREE_ATTENTION_CHOICES, TreeAttentionChoice, resolve_tree_attention
-from dppo_trl.core.functional import sanitize_behavior_logps
-from dppo_trl.core.loss import LossInputs, policy_loss
+from dppo_trl.core.loss import LossInputs, LossOutputs
 from dppo_trl.core.registry import TRUST_REGIONS
 from dppo_trl.core.sync_check import fresh_rollout_sums
-from dppo_trl.hardening.checkpoints import staged_checkpoint
-from dppo_trl.hardening.model_card import DPPO_PAPER, write_model_card
-from dppo_trl.hardening.training import hardened_training
-from dppo_trl.kernels.engine_view import engine_list_view, lm_head, logit_transform
-from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
+from dppo_trl.hardening.model_card import DPPO_PAPER
 from dppo_trl.trainers.config import (
     KEPT_SET_SERVER_LOGPROBS,
     TrustRegionFields,
@@ -62,6 +53,7 @@ from dppo_trl.trainers.config import (
     resolve_kept_set_size,
     sampling_truncation,
 )
+from dppo_trl.trainers.dppo_loss import BehaviorLists, DPPOLoss
 from dppo_trl.trainers.kept_set import engine_lists, kept_set_overflow
 from dppo_trl.trainers.metric_logging import log_trust_region_metrics
 from dppo_trl.trainers.sync_check import SyncCheck
@@ -69,11 +61,13 @@ from dppo_trl.trainers.trl116.async_grpo import (
     SAMPLE_VERSION,
     HookedAsyncGRPOTrainer,
     KeepForwardOutputs,
-    PolicyForward,
     SampleMetrics,
     SampleVersionCollator,
     SampleVersionQueue,
+    runs_on_cpu,
 )
+from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
+from dppo_trl.trainers.trl116.common import PolicyForward
 
 __all__ = [
     "SAMPLE_VERSION",
@@ -87,10 +81,6 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
 
 
 @dataclass
@@ -180,7 +170,7 @@ class AsyncDPPOConfig(TrustRegionFields, AsyncGRPOConfig):
             )
 
 
-class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
+class AsyncDPPOTrainer(DPPOLoss, HookedAsyncGRPOTrainer):
     """TRL's `AsyncGRPOTrainer` with DPPO's trust region (eqs. 11-16) anchored on the vLLM server's μ.
 
     Takes `AsyncGRPOTrainer`'s arguments; `args` is an [`AsyncDPPOConfig`]. Without CUDA, `weight_transfer` defaults
@@ -202,16 +192,10 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
                 f"AsyncDPPOTrainer needs an AsyncDPPOConfig (got {type(args).__name__}); its trust-region fields "
                 "define the loss."
             )
-        on_cpu = args.use_cpu or not _cuda_available()
-        if on_cpu and kwargs.get("weight_transfer") is None:
-            kwargs["weight_transfer"] = FileWeightTransfer(
-                VLLMClient(args.vllm_server_base_url, args.vllm_server_timeout), args.weight_sync_timeout
-            )
+        self.trust_region_spec = args.trust_region_spec()
         # Resolved before TRL builds the model, so an explicit "fa3" that cannot run fails before any loading.
-        self.tree_attention_choice = self._resolve_tree_attention(args, on_cpu)
-        with cpu_peak_flops() if on_cpu else contextlib.nullcontext():
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self.trust_region_spec = args.trust_region_spec()  # `args` is `self.args`, typed as AsyncDPPOConfig
+        self.tree_attention_choice = self._resolve_tree_attention(args, runs_on_cpu(args))
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         # The check of every weight sync (`dppo_trl/trainers/sync_check.py`), and the policy version (TRL's
         # `model_version`, bumped by each sync once the weights are published) and optimizer step it last armed.
         self._sync_check = SyncCheck(args)
@@ -230,63 +214,59 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
         )
         return choice
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Hardening, shared with DPPOTrainer (dppo_trl/hardening/)
-    # ------------------------------------------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
-        """Parent's `train` inside the hardening both trainers share (`dppo_trl/hardening/training.py`): a SIGTERM
-        checkpoint (`enable_jit_checkpoint`) ends in `TrainingPreempted` (exit 143) instead of returning as if the
-        run had finished, and a dead vLLM server in `VLLMServerError`."""
-        bound = (
-            "A dead server is noticed at the next weight sync, or once the rollout queue runs dry (TRL's worker gives "
-            "up after its request retries); a silent one after the worker's request_timeout="
-            f"{self.args.request_timeout} s or heartbeat_stale_after_s={self.args.heartbeat_stale_after_s} s."
-        )
-        with hardened_training(self, self.args.vllm_server_base_url, bound):
-            return super().train(*args, **kwargs)
-
-    def _save_checkpoint(self, model, trial):
-        """Parent's checkpoint (with TRL's `rollout_state.json`), written under a staging name and renamed when
-        complete (`dppo_trl/hardening/checkpoints.py`)."""
-        with staged_checkpoint(self, trial):
-            super()._save_checkpoint(model, trial)
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card with honest provenance and versions, plus the DPPO settings (`write_model_card`, shared
-        with DPPOTrainer)."""
-        write_model_card(
-            self,
-            super().create_model_card,
-            model_name=model_name,
-            dataset_name=dataset_name,
-            tags=tags,
-            vllm_mode="server",
-            sampling=sampling_truncation(self.args),
-            settings=[
-                ("learning_rate", self.args.learning_rate),
-                ("num_generations", self.args.num_generations),
-                ("temperature", self.args.temperature),
-                ("max_staleness", self.args.max_staleness),
+    def _model_card_arguments(self) -> dict[str, Any]:
+        args = self.args
+        return {
+            "vllm_mode": "server",
+            "sampling": sampling_truncation(args),
+            "settings": [
+                ("learning_rate", args.learning_rate),
+                ("num_generations", args.num_generations),
+                ("temperature", args.temperature),
+                ("max_staleness", args.max_staleness),
                 ("generation", "vLLM (server, asynchronous)"),
             ],
-        )
+        }
 
     # ------------------------------------------------------------------------------------------------------------
-    # The loss: one hook of the parent, top to bottom
+    # The loss (`DPPOLoss`): where this trainer's batch keeps μ's lists, and what it logs
     # ------------------------------------------------------------------------------------------------------------
-    def _per_token_policy_loss(self, inputs: dict[str, Any], forward: PolicyForward) -> torch.Tensor:
-        """DPPO's per-token terms of the loss terms (eq. 11, plus the μ-KL term), for the parent to scale as TRL scales
-        its own policy term. Logs `dppo/*`."""
-        loss_inputs = self._loss_inputs(inputs, forward)
-        outputs = policy_loss(self.trust_region_spec, loss_inputs)
+    def _wants_hidden_states(self, inputs: dict[str, Any]) -> bool:
+        """The final hidden states, for π at the engine's listed ids; a batch without the lists it needs is refused."""
+        kept = self.args.kept_set_size is not None
+        if not (kept or self.trust_region_spec.uses_top_k):
+            return False
+        if BEHAVIOR_TOPK_IDS not in inputs:
+            needs = (
+                "μ's kept set (truncated sampling)" if kept else f"divergence={self.args.divergence!r} needs μ's top-K"
+            )
+            raise RuntimeError(
+                f"{needs}, but the batch's samples carry no engine lists: the rollout worker must push "
+                "`dppo_trl.trainers.trl116.async_topk.TopKRolloutSample`s (AsyncDPPOTrainer's own worker does; a "
+                "`rollout_worker` passed in must too)."
+            )
+        return True
+
+    def _behavior_lists(self, inputs: dict[str, Any], forward: PolicyForward) -> BehaviorLists:
+        """μ's lists of each loss term (`BEHAVIOR_TOPK_*`): its top-K or, under truncated sampling, the kept set's
+        N + 1 slots and its overflow."""
+        n = self.args.kept_set_size
+        ids = forward.at_tokens(inputs[BEHAVIOR_TOPK_IDS])
+        mu_lists = forward.at_tokens(inputs[BEHAVIOR_TOPK_LOGPS]).float()
+        if n is None:
+            return BehaviorLists(ids, mu_lists)
+        mu_lists = engine_lists(mu_lists)
+        if mu_lists.shape[-1] != n + 1:
+            raise RuntimeError(f"The batch's engine lists have {mu_lists.shape[-1]} slots, not N + 1 = {n + 1}.")
+        overflow = kept_set_overflow(mu_lists, n, sampling_truncation(self.args)[0])
+        return BehaviorLists(ids, mu_lists, kept_set=True, overflow=overflow)
+
+    def _log_loss_call(self, inputs: dict[str, Any], loss_inputs: LossInputs, outputs: LossOutputs) -> None:
+        """The `dppo/*` metrics (by staleness too) and the weight-sync check (`SyncCheck`) of one loss call. The fresh
+        rollout of the sync that published policy version v: the tokens sampled by v (staleness 0) trained at the first
+        optimizer step after that sync, the only step whose weights are still v's. A later step has moved π, and an
+        older sample is another version's."""
         log_trust_region_metrics(self, outputs.stats, "train")
-        self._check_sync(loss_inputs)
-        return outputs.policy_loss if outputs.mu_kl is None else outputs.policy_loss + outputs.mu_kl
-
-    def _check_sync(self, loss_inputs: LossInputs) -> None:
-        """The weight-sync check (`SyncCheck`) on this loss call. The fresh rollout of the sync that published policy
-        version v: the tokens sampled by v (staleness 0) trained at the first optimizer step after that sync, the only
-        step whose weights are still v's. A later step has moved π, and an older sample is another version's."""
         if not self._sync_check.enabled:
             return
         version, step = self._policy_version(), self.state.global_step
@@ -299,87 +279,4 @@ class AsyncDPPOTrainer(HookedAsyncGRPOTrainer):
             fresh=self._sync_check_step == step,
             fresh_tokens=f"the server sampled with policy version {version}, published by the weight sync before "
             "this step, trained before any further update (staleness 0)",
-        )
-
-    def _loss_inputs(self, inputs: dict[str, Any], forward: PolicyForward) -> LossInputs:
-        """The core's per-token inputs of one packed row's loss terms, with π at the engine's lists when it has them."""
-        valid_mu, valid = sanitize_behavior_logps(forward.old_log_probs)
-        staleness = None
-        if forward.model_version is not None:
-            staleness = (self._policy_version() - forward.model_version).clamp(min=0)
-        loss_inputs = LossInputs(
-            pi_logps=forward.log_probs.float(),
-            mu_logps=valid_mu,
-            advantages=forward.advantages.float(),
-            tokens=torch.ones_like(valid),
-            valid=valid,
-            entropies=forward.entropy.detach() if forward.entropy is not None else None,
-            staleness=staleness,
-        )
-        if self._wants_hidden_states(inputs):
-            loss_inputs = self._with_engine_lists(loss_inputs, inputs, forward)
-        return loss_inputs
-
-    # ------------------------------------------------------------------------------------------------------------
-    # What the parent asks of the batch (`HookedAsyncGRPOTrainer`'s other hooks)
-    # ------------------------------------------------------------------------------------------------------------
-    def _rollout_logprobs(self) -> int | None:
-        """Entries per token the worker asks the server for: N (truncated sampling, whose first K + 1 slots are also
-        the top-K lists), else K (top-K divergences), else none."""
-        if self.args.kept_set_size is not None:
-            return self.args.kept_set_size
-        return self.args.divergence_top_k if self.args.trust_region_spec().uses_top_k else None
-
-    def _wants_hidden_states(self, inputs: dict[str, Any]) -> bool:
-        """The final hidden states, for π at the engine's listed ids; a batch without the lists it needs is refused."""
-        kept = self.args.kept_set_size is not None
-        if not (kept or self.trust_region_spec.uses_top_k):
-            return False
-        if BEHAVIOR_TOPK_IDS not in inputs:
-            needs = (
-                "μ's kept set (truncated sampling)" if kept else f"divergence={self.args.divergence!r} needs μ's top-K"
-            )
-            raise RuntimeError(
-                f"{needs}, but the batch's samples carry no engine lists: the rollout worker must push "
-                "`dppo_trl.trainers.async_topk.TopKRolloutSample`s (AsyncDPPOTrainer's own worker does; a "
-                "`rollout_worker` passed in must too)."
-            )
-        return True
-
-    def _with_engine_lists(
-        self, loss_inputs: LossInputs, inputs: dict[str, Any], forward: PolicyForward
-    ) -> LossInputs:
-        """`loss_inputs` with π and μ at the engine's listed ids of each loss term (`engine_view.engine_list_view`):
-        μ's top-K lists, or under truncated sampling the kept set (N + 1 slots, `BEHAVIOR_TOPK_*`), whose log π(kept)
-        carries the gradient of every kept id through the core's `policy_loss` term itself, and its overflow."""
-        n = self.args.kept_set_size
-        ids = inputs[BEHAVIOR_TOPK_IDS][forward.selected]
-        mu_lists = inputs[BEHAVIOR_TOPK_LOGPS][forward.selected].float()
-        overflow = None
-        if n is not None:
-            mu_lists = engine_lists(mu_lists)
-            if mu_lists.shape[-1] != n + 1:
-                raise RuntimeError(f"The batch's engine lists have {mu_lists.shape[-1]} slots, not N + 1 = {n + 1}.")
-            overflow = kept_set_overflow(mu_lists, n, sampling_truncation(self.args)[0])
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        weight, bias = lm_head(unwrapped)
-        spec = self.trust_region_spec
-        view = engine_list_view(
-            forward.hidden,
-            weight,
-            bias,
-            logit_transform(unwrapped, self.temperature),
-            ids,
-            mu_lists,
-            loss_inputs.pi_logps,
-            loss_inputs.valid,
-            kept_set=n is not None,
-            top_k=spec.divergence_top_k if spec.uses_top_k else None,
-        )
-        return dataclasses.replace(
-            loss_inputs,
-            pi_topk_logps=view.pi_topk_logps,
-            mu_topk_logps=view.mu_topk_logps,
-            kept_log_mass=view.kept_log_mass,
-            kept_overflow=overflow,
         )

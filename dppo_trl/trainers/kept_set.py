@@ -16,8 +16,7 @@ import math
 
 import torch
 
-# vLLM's OpenAI-compatible serving floors log-probs here (`max(logprob, -9999.0)`): the value of a dropped token.
-VLLM_LOGPROB_FLOOR = -9999.0
+from dppo_trl.trainers.trl116.vllm_topk import VLLM_LOGPROB_FLOOR
 
 
 def engine_lists(mu_lists: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class SyncCheck:
     def __init__(self, args: Any, engine_mu: bool = True):
         self.args = args
         self.engine_mu = engine_mu
-        self._step: int | None = None  # the optimizer step whose fresh sums `_sums` holds
+        self._sums_step: int | None = None  # the optimizer step whose fresh sums `_sums` holds
         self._sums: Tensor | None = None
 
     @property
@@ -56,8 +56,8 @@ class SyncCheck:
         if not (self.enabled and fresh):
             return
         step = trainer.state.global_step
-        if self._step != step:  # a step left unfinished (an error elsewhere) is not mixed into this one
-            self._step, self._sums = step, None
+        if self._sums_step != step:  # a step left unfinished (an error elsewhere) is not mixed into this one
+            self._sums_step, self._sums = step, None
         if sums is not None:
             self._sums = sums if self._sums is None else self._sums + sums
         if trainer.accelerator.sync_gradients:
@@ -66,12 +66,12 @@ class SyncCheck:
     def _conclude(self, trainer: Any, fresh_tokens: str) -> None:
         accelerator = trainer.accelerator
         local = self._sums if self._sums is not None else torch.zeros(2)
-        self._step, self._sums = None, None
+        self._sums_step, self._sums = None, None
         result = sync_mismatch(accelerator.reduce(local.to(accelerator.device), reduction="sum"))
         if result is None:  # no fresh token on any process: this sync cannot be checked
             return
         value, tokens = result
-        trainer._metrics["train"][SYNC_MISMATCH_METRIC].append(value)
+        trainer._metric_sink("train")[SYNC_MISMATCH_METRIC].append(value)
         step = trainer.state.global_step + 1
         threshold = self.args.sync_mismatch_threshold
         check = SyncMismatch(value, tokens, threshold, step=step, fresh=fresh_tokens)
@@ -83,8 +83,8 @@ class SyncCheck:
         elif action == "raise":
             # The step ends here, unlogged: its metrics (and any of the window not yet logged) are dropped, so that a
             # later `train()` of this trainer does not average them into its first log.
-            trainer._metrics["train"].clear()
-            checkpoint = latest_complete_checkpoint(trainer._get_output_dir(trial=None))
+            trainer._metric_sink("train").clear()
+            checkpoint = latest_complete_checkpoint(trainer.args.output_dir)
             stopped = (
                 f"Training stopped before the update of optimizer step {step} (computed on this rollout, never "
                 f"applied): the trainer holds the weights of step {step - 1}. "

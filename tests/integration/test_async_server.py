@@ -31,8 +31,8 @@ from test_async_topk import _recording_trainer as _lists_recording_trainer
 from trainer_setup import byte_mean_reward
 
 from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer
-from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_LOGPS
 from dppo_trl.trainers.kept_set import engine_lists
+from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_LOGPS
 
 # ---------------------------------------------------------------------------------------------------------------------
 # End to end against a real server

@@ -30,7 +30,7 @@ K = 3
 
 
 def test_completion_topk_reads_token_id_keys():
-    from dppo_trl.trainers.async_topk import completion_topk
+    from dppo_trl.trainers.trl116.async_topk import completion_topk
 
     choice = {
         "token_ids": [5, 6, 7],
@@ -67,7 +67,7 @@ def test_rows_topk_follows_trls_reconciler():
     a fork (a new row): each trained token of TRL's rows gets its own sampled token's lists, context none."""
     from trl.experimental.async_grpo.async_rollout_worker import TurnRecord, _chain_to_sequences
 
-    from dppo_trl.trainers.async_topk import rows_topk
+    from dppo_trl.trainers.trl116.async_topk import rows_topk
 
     turns = [
         TurnRecord([1, 2, 3], [10, 11, 12], [-0.1, -0.2, -0.3]),
@@ -116,7 +116,7 @@ class _QueueWorker:
 
 
 def _topk_sample(index: int, version: int, prompt: list[int], completion: list[int]):
-    from dppo_trl.trainers.async_topk import TopKRolloutSample
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
 
     ids = np.array(prompt + completion)
     mask = np.array([0] * len(prompt) + [1] * len(completion))
@@ -185,7 +185,7 @@ def test_topk_reaches_the_loss_through_trls_classes(tmp_path, divergence):
     """Samples with shared prompts pass TRL's real queue dataset, planner and collator; each loss term's μ lists are
     the ones its sample carried, slot 0 is the packed target, and π at those ids (chunked gather on the forward's
     hidden states) equals a full-softmax reference; the divergence's metrics are logged."""
-    from dppo_trl.trainers.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
+    from dppo_trl.trainers.trl116.async_topk import BEHAVIOR_TOPK_IDS, BEHAVIOR_TOPK_LOGPS
 
     recorder = _Recorder()
     worker = _QueueWorker()
@@ -293,7 +293,7 @@ def test_trainer_runs_trls_worker_with_the_topk_loop(tmp_path):
 
 def _multi_turn_sample(index: int, ids: list[int], mask: list[int], advantage: float):
     """A sample shaped like a tool-calling row: trained tokens, then context (a tool result), then trained tokens."""
-    from dppo_trl.trainers.async_topk import TopKRolloutSample
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
 
     rng = np.random.default_rng(100 + index)
     trained = [p for p, m in enumerate(mask) if m]
@@ -399,7 +399,7 @@ def test_kept_set_gradient_is_literal_eq11_with_pi_kept(tmp_path):
     from references import dppo_per_token_loss
 
     from dppo_trl.core.functional import binary_tv
-    from dppo_trl.trainers.async_topk import TopKRolloutSample
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
 
     recorder = _Recorder()
     trainer = _recording_trainer(recorder)(

@@ -241,7 +241,7 @@ _CHECK_INSTALLED = textwrap.dedent("""
         "dist_version": dist.version,
         "dist_path": str(dist.locate_file("")),
         "modules": modules,
-        "trainer_is_grpo": [c.__name__ for c in DPPOTrainer.__mro__][:3],
+        "trainer_is_grpo": [c.__name__ for c in DPPOTrainer.__mro__ if c.__name__.endswith("GRPOTrainer") or c is DPPOTrainer],
         "config": [config.divergence, config.delta_low, config.delta_high, config.divergence_top_k],
         "blocked": blocked,
         "preloaded": preloaded,

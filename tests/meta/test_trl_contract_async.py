@@ -2,9 +2,11 @@
 `AsyncDPPOTrainer`, its room and its CPU paths rely on still look the way they expect (the synchronous trainer's, the
 fault handling's and the CLI's are in test_trl_contract.py)."""
 
+import ast
 import dataclasses
 import inspect
 import re
+import textwrap
 
 import pytest
 import torch
@@ -21,9 +23,8 @@ def test_async_overridden_methods_keep_their_signatures():
     from dppo_trl.trainers.async_dppo_trainer import AsyncDPPOTrainer
 
     parent = _async_module().AsyncGRPOTrainer
-    # AsyncDPPOTrainer, then its TRL 1.16 room (`HookedAsyncGRPOTrainer`), then TRL's trainer.
-    assert AsyncDPPOTrainer.__mro__[2] is parent
-    own = AsyncDPPOTrainer.__mro__[:2]
+    # AsyncDPPOTrainer, its shared loss and its TRL 1.16 room (`HookedAsyncGRPOTrainer` and its common base), then TRL's.
+    own = AsyncDPPOTrainer.__mro__[: AsyncDPPOTrainer.__mro__.index(parent)]
     for name, params in trl_contract.ASYNC_OVERRIDDEN_METHODS.items():
         assert tuple(inspect.signature(getattr(parent, name)).parameters) == params, name
         assert any(name in cls.__dict__ for cls in own), (
@@ -216,11 +217,11 @@ def test_async_packing_sample_worker_and_cpu_contract():
 
 
 def test_async_topk_worker_internals():
-    """The rollout-worker internals `dppo_trl.trainers.async_topk` subclasses and reads (top-K in async)."""
+    """The rollout-worker internals `dppo_trl.trainers.trl116.async_topk` subclasses and reads (top-K in async)."""
     import importlib
 
-    from dppo_trl.trainers.async_topk import TopKRolloutSample
     from dppo_trl.trainers.trl116.async_grpo import TopKRolloutLoop, TopKRolloutWorker
+    from dppo_trl.trainers.trl116.async_topk import TopKRolloutSample
 
     worker = importlib.import_module(trl_contract.ASYNC_WORKER_MODULE)
     loop = worker._AsyncRolloutLoop
@@ -263,6 +264,26 @@ def test_async_context_fit_internals():
     source = inspect.getsource(worker)
     for fragment in trl_contract.ASYNC_CONTEXT_WORKER_FRAGMENTS:
         assert fragment in source, f"the rollout worker changed: missing {fragment!r}"
-    params = tuple(inspect.signature(loop._push_rollout_metrics).parameters)
-    assert params == trl_contract.ASYNC_PUSH_ROLLOUT_METRICS_PARAMS
+    for name in trl_contract.ASYNC_LOOP_ATTRIBUTES:
+        assert f"self.{name}" in inspect.getsource(loop.__init__) or isinstance(
+            inspect.getattr_static(loop, name), property
+        ), name
     assert trl_contract.ASYNC_COUNTER_METRIC_FRAGMENT in inspect.getsource(_async_module())
+
+    # `_generate_one` restates TRL's: identical code but for the listed edits (the docstrings and signatures aside).
+    def tokens(snippet: str) -> str:
+        return " ".join(re.findall(r"\w+|[^\w\s]", snippet))
+
+    def body(function) -> str:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+        code = tree.body[1:] if ast.get_docstring(tree) else tree.body
+        return tokens(" ".join(ast.unparse(statement) for statement in code))
+
+    ours = body(ContextFitRolloutLoop._generate_one)
+    for edit, original in trl_contract.ASYNC_GENERATE_ONE_EDITS:
+        assert ours.count(tokens(edit)) == 1, edit
+        ours = ours.replace(tokens(edit), tokens(original))
+    assert ours == body(loop._generate_one), (
+        "_AsyncRolloutLoop._generate_one changed: restate it in ContextFitRolloutLoop (TRL's code with the edits in "
+        "trl_contract.ASYNC_GENERATE_ONE_EDITS)"
+    )

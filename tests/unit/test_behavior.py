@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from dppo_trl.trainers.vllm_topk import PAD_ID, TopKRecorder, place_turns, topk_entries_to_tensors
+from dppo_trl.trainers.trl116.vllm_topk import PAD_ID, TopKRecorder, place_turns, topk_entries_to_tensors
 
 INF = math.inf
 NAN = math.nan

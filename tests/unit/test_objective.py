@@ -344,22 +344,6 @@ def test_policy_loss_is_eq_11_in_value_and_gradient(name):
     assert torch.allclose(pi.grad, want, atol=1e-6)
 
 
-def test_the_opened_clip_weight_turns_grpos_term_into_eq_11():
-    """GRPOTrainer's opened-clip term −r·A·m with m = opened_clip_weight(w, π, old) is −A·w in value and gradient."""
-    from dppo_trl.trainers.trl116.grpo import opened_clip_weight
-
-    view = _view(seed=11)
-    pi = view.pi_logps.clone().requires_grad_(True)
-    old = view.mu_logps.clamp(min=-60.0)
-    outputs = policy_loss(_args(), LossInputs(**{**view.__dict__, "pi_logps": pi}))
-    m = opened_clip_weight(outputs.coef, pi, old)
-    adv = view.advantages.expand_as(pi)
-    term = -torch.exp(pi - old) * adv * m
-    assert torch.allclose(term, -adv * outputs.coef, atol=1e-6)
-    term.sum().backward()
-    assert torch.allclose(pi.grad, -adv * outputs.coef, atol=1e-5)
-
-
 def test_spec_resolves_defaults_once_and_validates():
     assert TrustRegionSpec().delta_low == 0.15 and TrustRegionSpec(divergence="binary_kl").delta_high == 0.05
     assert TrustRegionSpec().ratio_cap == 20.0

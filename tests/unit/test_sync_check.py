@@ -2,7 +2,7 @@
 
 The statistic is read from `trust_region_stats` (the sums behind `dppo/mismatch_abs_mean`), so it is checked here
 against |exp(log π) − exp(log μ)| written out by hand, over the tokens the loss counts. `SyncCheck` runs against a
-stand-in trainer with the four things it reads (state, accelerator, `_metrics`, the output folder); the trainers'
+stand-in trainer with the four things it reads (state, accelerator, the metric sink, `args.output_dir`); the trainers'
 wiring runs against the real engine and server in tests/integration/test_vllm_cpu.py and test_async_server.py.
 """
 
@@ -160,7 +160,7 @@ def test_message_says_what_was_compared_the_numbers_the_causes_and_the_options()
 
 
 class _Trainer:
-    """What `SyncCheck` reads of a trainer: its step, accelerator, metric sink and output folder."""
+    """What `SyncCheck` reads of a trainer: its step, accelerator, metric sink (`_metric_sink`) and output folder."""
 
     def __init__(self, output_dir: str, processes: int = 1):
         self.state = SimpleNamespace(global_step=0)
@@ -172,10 +172,10 @@ class _Trainer:
             reduce=lambda tensor, reduction: tensor * processes,
         )
         self._metrics = {"train": defaultdict(list)}
-        self.output_dir = output_dir
+        self.args = SimpleNamespace(output_dir=output_dir)
 
-    def _get_output_dir(self, trial=None):
-        return self.output_dir
+    def _metric_sink(self, mode):
+        return self._metrics[mode]
 
 
 def _args(action: str, threshold: float = 0.05) -> SimpleNamespace:

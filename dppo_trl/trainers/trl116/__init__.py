@@ -2,7 +2,9 @@
 
 Each room subclasses its TRL parent and *provides*, on TRL 1.16, the hooks docs/upstream.md proposes to TRL; the DPPO
 trainers subclass the rooms and use only those hooks. Every trick on TRL's internals lives in a room, pinned in
-tests/trl_contract.py; when TRL ships a hook, its part of the room is deleted.
+tests/trl_contract.py; when TRL ships a hook, its part of the room is deleted. `common` holds what both rooms share
+(the loss hook's typed forward, the hidden-state capture, the hardening overrides); `vllm_topk`, `context_fit`,
+`async_topk` and `async_context` hold the rooms' parts on TRL's generation objects and rollout worker.
 """
 
 # The ratio-clip metrics both parents log. DPPO replaces the clip by its trust region, so these are always 0 and the

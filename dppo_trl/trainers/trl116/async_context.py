@@ -8,11 +8,13 @@ rejects a prompt that leaves no room at all.
 
 [`ContextFitRolloutLoop`] asks for at most `max_model_len - len(prompt)` tokens (a *clamped* turn,
 `completions/context_clamped_turns_total`). A later turn whose re-rendered prompt leaves no room (a tool result made
-the conversation outgrow the context) is not sent: the rollout ends there, after that tool result (an *ended* turn,
-`completions/context_ended_turns_total`). Its training rows are TRL's reconciliation (`_chain_to_sequences`) of the
-turns that were sampled, every trained token with the server's own log-prob; the last tool result is in the
-completion messages the rewards read, and in no row (no sampled token follows it). A first turn with no room is the
-dataset's prompt: it raises, naming the lengths.
+the conversation outgrow the context) is not sent: the conversation ends there, after that tool result (an *ended*
+turn, `completions/context_ended_turns_total`). TRL's turn loop has no exit for it, so `_generate_one` is TRL's
+method restated with one edit (`_fits_context` before each turn, whose `break` leaves the loop as a finished
+conversation does; tests/meta/test_trl_contract.py checks the rest is TRL's code token for token): the training rows
+are TRL's reconciliation (`_chain_to_sequences`) of the turns that were sampled, every trained token with the server's
+own log-prob; the last tool result is in the completion messages the rewards read, and in no row (no sampled token
+follows it). A first turn with no room is the dataset's prompt: it raises, naming the lengths.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from trl.chat_template_utils import parse_response
 from trl.experimental.async_grpo.async_rollout_worker import (
     AsyncRolloutWorker,
+    Messages,
+    TrainingSequence,
     TurnRecord,
     _AsyncRolloutLoop,
     _chain_to_sequences,
@@ -37,21 +41,6 @@ __all__ = ["CLAMPED_METRIC", "ENDED_METRIC", "ContextFitRolloutLoop", "ContextFi
 # Counters (TRL's async metric convention: a `total` word is summed over the logging window).
 CLAMPED_METRIC = "completions/context_clamped_turns_total"
 ENDED_METRIC = "completions/context_ended_turns_total"
-
-
-class _NoRoomLeft(Exception):
-    """A later turn's prompt fills the server's context: the conversation ends before that turn."""
-
-
-@dataclass
-class _Rollout:
-    """What one conversation has done so far, as TRL's `_generate_one` did it: the sampled turns and, after each turn
-    that called tools, `(tool messages, calls, failures)`."""
-
-    tools: list
-    started: float = field(default_factory=time.monotonic)
-    turns: list[TurnRecord] = field(default_factory=list)
-    tool_results: list[tuple[list[dict[str, str]], int, int]] = field(default_factory=list)
 
 
 def _current_task() -> asyncio.Task:
@@ -69,8 +58,6 @@ class ContextFitRolloutLoop(_AsyncRolloutLoop):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self._max_model_len: int | None = None
-        # One conversation per asyncio task (TRL runs each `_generate_one` as a task and awaits its requests in it).
-        self._rollouts: dict[asyncio.Task, _Rollout] = {}
 
     async def _server_max_model_len(self) -> int:
         """The served model's `max_model_len`, read once from the server's `/v1/models`."""
@@ -84,72 +71,91 @@ class ContextFitRolloutLoop(_AsyncRolloutLoop):
             self._max_model_len = int(entry["max_model_len"])
         return self._max_model_len
 
-    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
-        if path != "/v1/completions":
-            return await super()._post(path, payload, timeout, max_retries)
+    async def _fits_context(self, prompt_ids: list[int], turns: list[TurnRecord]) -> bool:
+        """Whether the next turn (its prompt `prompt_ids`, after the conversation's `turns`) has room in the server's
+        context; counts it as clamped when the room is below `max_tokens`, or as ended when there is none. A first turn
+        with no room is the dataset's prompt: it raises."""
         max_model_len = await self._server_max_model_len()
-        length = len(payload["prompt"])
-        room = max_model_len - length
+        room = max_model_len - len(prompt_ids)
         if room < 1:
-            rollout = self._rollouts.get(_current_task())
-            if rollout is None or not rollout.turns:
+            if not turns:
                 raise ValueError(
-                    f"A prompt of {length} tokens leaves no room for a completion in the vLLM server's context of "
-                    f"{max_model_len} tokens. Shorten the dataset's prompts or restart the server with a larger "
-                    "`--max-model-len`."
+                    f"A prompt of {len(prompt_ids)} tokens leaves no room for a completion in the vLLM server's "
+                    f"context of {max_model_len} tokens. Shorten the dataset's prompts or restart the server with a "
+                    "larger `--max-model-len`."
                 )
-            raise _NoRoomLeft
-        if room < payload["max_tokens"]:
-            payload = {**payload, "max_tokens": room}
+            self._counters[ENDED_METRIC] += 1
+            return False
+        if room < self.max_tokens:
+            self._counters[CLAMPED_METRIC] += 1
+        return True
+
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        if path == "/v1/completions":
+            room = await self._server_max_model_len() - len(payload["prompt"])
+            if 0 < room < payload["max_tokens"]:
+                payload = {**payload, "max_tokens": room}
         return await super()._post(path, payload, timeout, max_retries)
 
-    async def _generate_one_turn(self, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-        # Counted here, once per turn: `_post` runs again on every transport retry.
-        if 0 < await self._server_max_model_len() - len(prompt_ids) < self.max_tokens:
-            self._counters[CLAMPED_METRIC] += 1
-        turn_ids, turn_logprobs = await super()._generate_one_turn(prompt_ids)
-        self._rollouts[_current_task()].turns.append(TurnRecord(list(prompt_ids), list(turn_ids), list(turn_logprobs)))
-        return turn_ids, turn_logprobs
-
-    async def _execute_tool_calls(self, tool_calls, tool_dict):
-        messages, calls, failures = await super()._execute_tool_calls(tool_calls, tool_dict)
-        self._rollouts[_current_task()].tool_results.append((list(messages), calls, failures))
-        return messages, calls, failures
-
-    async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
-        task = _current_task()
-        rollout = self._rollouts[task] = _Rollout(tools=tools)
-        try:
-            return await super()._generate_one(prompt, tool_dict, tools, group_id)
-        except _NoRoomLeft:
-            return self._ended_rollout(rollout)
-        finally:
-            del self._rollouts[task]
-
-    def _ended_rollout(self, rollout: _Rollout):
-        """`_generate_one`'s result for a conversation whose next turn had no room: the turns sampled so far, their
-        parsed replies and tool results, reconciled into rows by TRL's own `_chain_to_sequences`."""
-        completion: list[dict[str, Any]] = []
-        completion_ids: list[int] = []
-        for i, turn in enumerate(rollout.turns):
-            tools = rollout.tools
-            completion.append(parse_response(self.tokenizer, turn.output_ids, prefix=turn.prompt_ids, tools=tools))
-            completion_ids.extend(turn.output_ids)
-            if i < len(rollout.tool_results):
-                completion.extend(rollout.tool_results[i][0])
-        sequences, tally = _chain_to_sequences(rollout.turns, uuid.uuid4().hex, self._fork_threshold_tokens)
-        self._counters[ENDED_METRIC] += 1
+    async def _generate_one(
+        self, prompt: Messages, tool_dict: dict[str, Callable], tools: list[Callable], group_id: int = 0
+    ) -> tuple[list[dict[str, str]], list[int], list[TrainingSequence], int, int, float | None]:
+        """TRL's `_generate_one` (restated TRL code) with `_fits_context` before each turn: a turn with no room left
+        ends the conversation as a finished one does (`ASYNC_GENERATE_ONE_EDITS` in tests/trl_contract.py)."""
+        # restates-trl: begin _AsyncRolloutLoop._generate_one
+        t_dispatch = time.monotonic()
+        messages = list(prompt)  # a MESSAGE list, not a token list
+        rollout_id = uuid.uuid4().hex
+        turns: list[TurnRecord] = []
+        completion, completion_ids = [], []
+        tool_call_count = 0
+        tool_failure_count = 0
+        iteration_num = 0
+        loop_exhausted = False
+        max_iterations = self.max_tool_calling_iterations
+        while True:
+            prompt_ids = self.tokenizer.apply_chat_template(  # re-tokenize the WHOLE conversation
+                messages,
+                return_dict=False,
+                add_generation_prompt=True,
+                tools=tools or None,
+                chat_template=self.chat_template,
+                **self.chat_template_kwargs,
+            )
+            if not await self._fits_context(prompt_ids, turns):
+                break
+            turn_ids, turn_logprobs = await self._generate_one_turn(prompt_ids)
+            assistant_message = parse_response(self.tokenizer, turn_ids, prefix=prompt_ids, tools=tools)
+            completion.append(assistant_message)
+            completion_ids.extend(turn_ids)
+            messages.append(assistant_message)
+            turns.append(TurnRecord(prompt_ids, turn_ids, turn_logprobs))
+            tool_calls = assistant_message.get("tool_calls")
+            if tool_calls is None:
+                break
+            if max_iterations is not None and iteration_num >= max_iterations:
+                # Cut off mid-loop: the model asked for another tool and we refused. The conversation is trained as if
+                # it had finished, so this is a silent truncation — hence the metric.
+                loop_exhausted = True
+                break
+            tool_messages, n_calls, n_failures = await self._execute_tool_calls(tool_calls, tool_dict)
+            tool_call_count += n_calls
+            tool_failure_count += n_failures
+            completion.extend(tool_messages)
+            messages.extend(tool_messages)  # tool result goes back as a MESSAGE, re-tokenized next turn
+            iteration_num += 1
+        # >= 1 row per conversation; `tally` is the drift bookkeeping over the turn transitions.
+        sequences, tally = _chain_to_sequences(turns, rollout_id, self._fork_threshold_tokens)
         self._push_rollout_metrics(
-            turns=len(rollout.turns),
+            turns=len(turns),
             sequences=len(sequences),
             completion_ids=completion_ids,
             tally=tally,
-            loop_exhausted=False,
-            duration_s=time.monotonic() - rollout.started,
+            loop_exhausted=loop_exhausted,
+            duration_s=time.monotonic() - t_dispatch,
         )
-        calls = sum(n for _, n, _ in rollout.tool_results)
-        failures = sum(n for _, _, n in rollout.tool_results)
-        return completion, completion_ids, sequences, calls, failures, None
+        return completion, completion_ids, sequences, tool_call_count, tool_failure_count, None
+        # restates-trl: end
 
 
 class ContextFitRolloutWorker(AsyncRolloutWorker):

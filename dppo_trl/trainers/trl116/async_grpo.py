@@ -1,24 +1,25 @@
 """The room for TRL 1.16's `AsyncGRPOTrainer`: `HookedAsyncGRPOTrainer` provides the hooks docs/upstream.md proposes.
 
 `AsyncDPPOTrainer` subclasses `HookedAsyncGRPOTrainer` and implements its hooks; this module is where they are
-bridged onto TRL 1.16's experimental asynchronous trainer. Each part below is one row of docs/upstream.md's
-"AsyncGRPOTrainer" section, with the pins of tests/trl_contract.py it needs; when TRL ships the hook, that part is
-deleted and the hook becomes TRL's:
+bridged onto TRL 1.16's experimental asynchronous trainer. Each row below is one of docs/upstream.md's, with the pins
+of tests/trl_contract.py it needs (`tests/meta/test_rooms.py` keeps the two tables equal); when TRL ships a hook, its
+part is deleted and the hook becomes TRL's:
 
-| hook provided here | bridged on TRL 1.16 by | upstream.md |
+| hook the room provides | bridged on TRL 1.16 by | upstream.md |
 |---|---|---|
 | `PolicyForward.model_version`: each loss term's sampling version, in the batch | `SampleVersionQueue` hands TRL's queue dataset each sample with its metrics as a `SampleMetrics` (the version an attribute: TRL averages every item of `metrics` into its logs); `SampleVersionCollator` packs it as `batch[SAMPLE_VERSION]`; `get_train_dataloader` restates TRL's method with those two arguments (TRL builds its collator inline) | async-1 |
-| `_per_token_policy_loss(inputs, forward)`: the per-token policy loss, TRL's forward, normalisation and accounting around it | TRL's `compute_loss` runs on the batch with zeroed advantages (value 0, gradient 0 for its PPO term) through `KeepForwardOutputs`, which keeps its one forward's outputs; the hook's terms are scaled as TRL scales its own (tokens per process, then gradient accumulation: restated); TRL's clip rates, always 0 then, are dropped (`PARENT_CLIP_METRICS`) | async-2 |
+| `_per_token_policy_loss(inputs, forward)`: the policy term per token, on the parent's forward (`PolicyForward`) | TRL's `compute_loss` runs on the batch with zeroed advantages (value 0, gradient 0 for its PPO term) through `KeepForwardOutputs`, which keeps its one forward's outputs; the hook's terms are scaled as TRL scales its own (tokens per process, then gradient accumulation: restated); TRL's clip rates, always 0 then, are dropped (`PARENT_CLIP_METRICS`) | async-2 |
 | `_policy_version()`: the version of the weights being trained, on every rank | broadcast from the main process once per optimizer step (TRL bumps `model_version` on the main process only, between steps) | async-3 |
-| `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `dppo_trl.trainers.async_topk`) | async-5 |
-| each turn fitted to the server's context (a turn with no room ends its conversation) | `ContextFitRolloutLoop` (`dppo_trl.trainers.trl116.async_context`), a subclass of TRL's private rollout loop and the base of `TopKRolloutLoop`, run by the same worker swap | async-7 |
-| `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` | kept |
-
+| no peak-FLOPs lookup and a file-based weight transfer on a machine without CUDA | `cpu_peak_flops()` swaps TRL's lookup while the parent is built; `FileWeightTransfer` as the default `weight_transfer` (`dppo_trl.backends.cpu.async_cpu`) | async-4 |
+| `_rollout_logprobs()`: log-probs per token the rollout worker asks the server for | TRL's own worker is replaced before it starts by `TopKRolloutWorker`, TRL's worker running `TopKRolloutLoop`, a subclass of its private loop that asks for the lists and hands them on with each sample (the data side, `rows_topk` and `behavior_topk`, is in `async_topk.py`) | async-5 |
+| the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.backends.tree_attention.registered_tree_attention`) | async-6 |
+| each turn fitted to the server's context (a turn with no room ends its conversation) | `ContextFitRolloutLoop` (`async_context.py`), a subclass of TRL's private rollout loop restating its `_generate_one` with the check, and the base of `TopKRolloutLoop`, run by the same worker swap | async-7 |
 | LoRA weights merged out of place, gathered one decoder layer at a time, in every merged-weight sync | `_sync_weight_merged` restated without its in-place `merge_adapter()` / `unmerge_adapter()`, streaming `dppo_trl.weights.stream.merged_named_weights` (the names, dtypes and shapes of TRL's manifest) | async-8 |
-| the tree attention a subclass chose (`tree_attention_choice`), in every forward and backward | registered under TRL's `tree_fa3` name while `training_step` (whose backward reruns the forward under gradient checkpointing) and `compute_loss` run, then TRL's registration put back (`dppo_trl.kernels.tree_attention.registered_tree_attention`) | async-6 |
+| `forward.hidden`: the final hidden states the fused head projects | a forward hook on the backbone inside `KeepForwardOutputs` (`common.final_hidden_states`) | kept |
+| the hardening in `train`, `_save_checkpoint`, `create_model_card` | `common.CommonRoom` (ordinary overrides) | kept |
 
-The CPU paths (async-4) are the constructor's, in `AsyncDPPOTrainer`. `tests/integration/test_async_dppo.py` pins the normalisation against
-TRL's real loss.
+A subclass implements `_per_token_policy_loss` and may override the other hooks. `tests/integration/test_async_dppo.py`
+pins the normalisation against TRL's real loss.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Iterator
@@ -37,6 +39,7 @@ import torch
 from accelerate.utils import broadcast_object_list, is_peft_model
 from torch import Tensor
 from torch.utils.data import DataLoader
+from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_grpo_trainer import (
     AsyncGRPOTrainer,
     DataCollatorForRollout,
@@ -50,10 +53,13 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     RolloutSample,
     TurnRecord,
 )
+from trl.experimental.async_grpo.vllm_client import VLLMClient
 
+from dppo_trl.backends.cpu.async_cpu import FileWeightTransfer, cpu_peak_flops
 from dppo_trl.backends.tree_attention import TreeAttentionChoice, registered_tree_attention
-from dppo_trl.kernels.engine_view import backbone, last_hidden_state
-from dppo_trl.trainers.async_topk import (
+from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
+from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker, _current_task
+from dppo_trl.trainers.trl116.async_topk import (
     BEHAVIOR_TOPK_IDS,
     BEHAVIOR_TOPK_LOGPS,
     TopKRolloutSample,
@@ -62,8 +68,7 @@ from dppo_trl.trainers.async_topk import (
     completion_topk,
     rows_topk,
 )
-from dppo_trl.trainers.trl116 import PARENT_CLIP_METRICS
-from dppo_trl.trainers.trl116.async_context import ContextFitRolloutLoop, ContextFitRolloutWorker, _current_task
+from dppo_trl.trainers.trl116.common import CommonRoom, PolicyForward, PolicyTerms, final_hidden_states
 from dppo_trl.weights.stream import in_place_fallback_message, merged_named_weights, out_of_place_problems
 
 # Batch key: the policy version that sampled each packed sample of a row, `(rows, max samples per row)` in the order
@@ -71,29 +76,6 @@ from dppo_trl.weights.stream import in_place_fallback_message, merged_named_weig
 SAMPLE_VERSION = "dppo_sample_version"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PolicyForward:
-    """What TRL's forward of one loss call gives `_per_token_policy_loss`, per loss term (`token_index >= 0`).
-
-    Attributes:
-        selected: bool over the row's positions, the loss terms (TRL's `token_index >= 0`).
-        log_probs: log π of each term, with its graph.
-        old_log_probs: the server's log-probs μ of each term, as the batch holds them.
-        advantages: A of each term.
-        entropy: the policy's entropy per term, when TRL's forward returned it.
-        model_version: the policy version that sampled each term, when the batch carries it.
-        hidden: the final hidden states of each term `(N, H)`, with their graph, when `_wants_hidden_states` asked.
-    """
-
-    selected: Tensor
-    log_probs: Tensor
-    old_log_probs: Tensor
-    advantages: Tensor
-    entropy: Tensor | None
-    model_version: Tensor | None
-    hidden: Tensor | None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,18 +159,15 @@ class KeepForwardOutputs:
     """The model as `AsyncGRPOTrainer.compute_loss` calls it, keeping the outputs of that one call (TRL's fused LM head:
     per-position `log_probs` and `entropy`, with their graph). TRL 1.16's `compute_loss` returns only the loss.
 
-    With `backbone` (the decoder the fused head projects), also keeps its final hidden states (`hidden`, `(1, N, H)`),
+    With `hidden_of` (the unwrapped model), also keeps the final hidden states of its backbone (`hidden`, `(1, N, H)`),
     with their graph.
     """
 
-    def __init__(self, model: Any, backbone: torch.nn.Module | None = None):
+    def __init__(self, model: Any, hidden_of: Any | None = None):
         self.model = model
-        self.backbone = backbone
+        self.hidden_of = hidden_of
         self.outputs: Any = None
         self.hidden: torch.Tensor | None = None
-
-    def _keep_hidden(self, _module, _inputs, output) -> None:
-        self.hidden = last_hidden_state(output)
 
     def __call__(self, *args, **kwargs):
         if self.outputs is not None:
@@ -196,12 +175,13 @@ class KeepForwardOutputs:
                 "AsyncGRPOTrainer.compute_loss called the model twice; AsyncDPPOTrainer expects one forward per loss "
                 "call (see tests/trl_contract.py)."
             )
-        handle = self.backbone.register_forward_hook(self._keep_hidden) if self.backbone is not None else None
-        try:
+        capture: contextlib.AbstractContextManager[list[Tensor]] = (
+            final_hidden_states(self.hidden_of) if self.hidden_of is not None else contextlib.nullcontext([])
+        )
+        with capture as hiddens:
             self.outputs = self.model(*args, **kwargs)
-        finally:
-            if handle is not None:
-                handle.remove()
+        if hiddens:
+            self.hidden = hiddens[-1]
         return self.outputs
 
 
@@ -273,8 +253,20 @@ class TopKRolloutWorker(AsyncRolloutWorker):
         return cls(**worker._loop_kwargs, logprobs_top_k=logprobs_top_k)
 
 
-class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
-    """`AsyncGRPOTrainer` 1.16 with the hooks of docs/upstream.md ("AsyncGRPOTrainer"); see the module docstring."""
+def runs_on_cpu(args: AsyncGRPOConfig | None) -> bool:
+    """Whether an asynchronous trainer with these `args` trains on the CPU (`use_cpu`, or no CUDA device)."""
+    return bool(getattr(args, "use_cpu", False)) or not torch.cuda.is_available()
+
+
+def async_grpo_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """`AsyncGRPOTrainer(*args, **kwargs)`'s constructor arguments by parameter name."""
+    bound = inspect.signature(AsyncGRPOTrainer.__init__).bind(None, *args, **kwargs)
+    return {name: value for name, value in bound.arguments.items() if name != "self"}
+
+
+class HookedAsyncGRPOTrainer(CommonRoom, AsyncGRPOTrainer):
+    """`AsyncGRPOTrainer` 1.16 with the hooks of docs/upstream.md ("AsyncGRPOTrainer"); see the module docstring.
+    Takes `AsyncGRPOTrainer`'s arguments."""
 
     # Set by `AsyncGRPOTrainer.__init__`: on the main process the rollout worker (built or passed in) and its queue.
     rollout_worker: Any
@@ -284,7 +276,16 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
     tree_attention_choice: TreeAttentionChoice | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+        arguments = async_grpo_arguments(*args, **kwargs)
+        config = arguments.get("args")
+        on_cpu = runs_on_cpu(config)
+        if on_cpu and config is not None and arguments.get("weight_transfer") is None:
+            # async-4: the weights reach `python -m dppo_trl.backends.cpu.vllm_server` through a file.
+            arguments["weight_transfer"] = FileWeightTransfer(
+                VLLMClient(config.vllm_server_base_url, config.vllm_server_timeout), config.weight_sync_timeout
+            )
+        with cpu_peak_flops() if on_cpu else contextlib.nullcontext():  # async-4: TRL's lookup needs CUDA
+            super().__init__(**arguments)
         logprobs = self._rollout_logprobs()
         if type(self.rollout_worker) is AsyncRolloutWorker:
             # async-5 and async-7: TRL built its own worker (none was passed) and starts it on train begin: run the
@@ -303,7 +304,7 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # The hooks a subclass implements or overrides
     # ------------------------------------------------------------------------------------------------------------
-    def _per_token_policy_loss(self, inputs: dict[str, Any], forward: PolicyForward) -> Tensor:
+    def _per_token_policy_loss(self, inputs: dict[str, Any], forward: PolicyForward) -> PolicyTerms:
         """The per-token policy loss of the loss terms, normalised as TRL normalises its own (upstream async-2)."""
         raise NotImplementedError
 
@@ -327,6 +328,17 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
             version = int(broadcast_object_list([self.model_version], from_process=0)[0])
             read = self._policy_version_read = (self.state, self.state.global_step, version)
         return read[2]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The hardening's parent-specific parts (`CommonRoom`)
+    # ------------------------------------------------------------------------------------------------------------
+    def _watched_server(self) -> tuple[str | None, str]:
+        bound = (
+            "A dead server is noticed at the next weight sync, or once the rollout queue runs dry (TRL's worker gives "
+            "up after its request retries); a silent one after the worker's request_timeout="
+            f"{self.args.request_timeout} s or heartbeat_stale_after_s={self.args.heartbeat_stale_after_s} s."
+        )
+        return self.args.vllm_server_base_url, bound
 
     # ------------------------------------------------------------------------------------------------------------
     # async-1 and async-2: the restated dataloader and the loss around TRL's
@@ -457,35 +469,41 @@ class HookedAsyncGRPOTrainer(AsyncGRPOTrainer):
         """TRL's loss on the batch with zeroed advantages (its forward, aux loss, metrics, accounting), plus the
         subclass's per-token policy loss on that forward's log-probs, scaled as TRL scales its own."""
         want_hidden = self._wants_hidden_states(inputs)
-        forward = KeepForwardOutputs(model, backbone(self.accelerator.unwrap_model(model)) if want_hidden else None)
+        forward = KeepForwardOutputs(model, self.accelerator.unwrap_model(model) if want_hidden else None)
         trl_inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
         with self._tree_attention_registered():
             trl_loss = super().compute_loss(forward, trl_inputs, return_outputs, num_items_in_batch)
+        sink = self._metric_sink("train")
         for key in PARENT_CLIP_METRICS:
-            self._metrics["train"].pop(key, None)
-        per_token = self._per_token_policy_loss(inputs, self._policy_forward(inputs, forward))
+            sink.pop(key, None)
+        terms = self._per_token_policy_loss(inputs, self._policy_forward(inputs, forward))
+        per_token = terms.policy if terms.extra is None else terms.policy + terms.extra
         # restates-trl: begin AsyncGRPOTrainer.compute_loss (the normalisation of the policy term)
         tokens_per_rank = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
         return trl_loss + per_token.sum() / tokens_per_rank.float() / self.current_gradient_accumulation_steps
         # restates-trl: end
 
     def _policy_forward(self, inputs: dict[str, Any], forward: KeepForwardOutputs) -> PolicyForward:
-        """The loss terms of one packed row as TRL selects them, with their sampling versions."""
+        """The loss terms of one packed row as TRL selects them, with their sampling versions and staleness."""
         selected = inputs["token_index"] >= 0
         token_index = inputs["token_index"][selected]
         outputs = forward.outputs
         entropy = getattr(outputs, "entropy", None)
-        model_version = None
+        model_version = staleness = None
         if SAMPLE_VERSION in inputs:
             versions = inputs[SAMPLE_VERSION].reshape(-1, inputs[SAMPLE_VERSION].shape[-1])[0]  # this rank's row
             model_version = versions[inputs["segment_id"][selected]]
+            staleness = (self._policy_version() - model_version).clamp(min=0)
         hidden = forward.hidden
+        old_log_probs = inputs["old_log_probs"][selected]
         return PolicyForward(
-            selected=selected,
             log_probs=outputs.log_probs.flatten()[token_index],
-            old_log_probs=inputs["old_log_probs"][selected],
+            old_log_probs=old_log_probs,
             advantages=inputs["advantages"][selected],
+            tokens=torch.ones_like(old_log_probs, dtype=torch.bool),
             entropy=entropy.flatten()[token_index] if entropy is not None else None,
-            model_version=model_version,
             hidden=None if hidden is None else hidden.reshape(-1, hidden.shape[-1])[token_index],
+            model_version=model_version,
+            staleness=staleness,
+            selected=selected,
         )

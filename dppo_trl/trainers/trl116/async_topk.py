@@ -16,7 +16,7 @@ and this module holds the lists' data side:
       → SampleVersionQueue / SampleMetrics (trl116/async_grpo.py): the lists ride on the sample's `metrics`
       → SampleVersionCollator: `behavior_topk` lays them out in the packed loss-term order (`token_index`)
 
-Slot layout (as in `dppo_trl.trainers.vllm_topk` and `DPPOTrainer`): slot 0 is the sampled token y_t, slots 1..K are
+Slot layout (as in `dppo_trl.trainers.trl116.vllm_topk` and `DPPOTrainer`): slot 0 is the sampled token y_t, slots 1..K are
 TopK(μ) without y_t in rank order, unused slots id −1 and log-prob −inf.
 
 Where the sampled tokens land: TRL reconciles a conversation's turns into rows with `_chain_to_sequences` (CLEAN
@@ -42,8 +42,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (
     _chain_to_sequences,
 )
 
-from dppo_trl.trainers.kept_set import VLLM_LOGPROB_FLOOR
-from dppo_trl.trainers.vllm_topk import PAD_ID, topk_entries_to_tensors
+from dppo_trl.trainers.trl116.vllm_topk import PAD_ID, VLLM_LOGPROB_FLOOR, topk_entries_to_tensors
 
 __all__ = [
     "BEHAVIOR_TOPK_IDS",

@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 PAD_ID = -1
+# vLLM's OpenAI-compatible serving floors log-probs here (`max(logprob, -9999.0)`): a token the sampler dropped (`-inf`)
+# arrives as this value over HTTP.
+VLLM_LOGPROB_FLOOR = -9999.0
 
 
 def topk_entries_to_tensors(
