@@ -63,9 +63,9 @@ def trackio_metrics(tmp_path: Path, project: str) -> list[dict]:
 def serving(log_path: Path, command: list[str], port: int) -> Iterator[str]:
     """A vLLM server started by `command` (listening on `port`) in its own session, with this checkout on PYTHONPATH
     and no API key (TRL's rollout worker sends none): its URL once `/health` answers, the test failed with the log's
-    tail if it exits or stays unhealthy; stopped on the way out with the example's `stop_server` (SIGTERM, then
+    tail if it exits or stays unhealthy; stopped on the way out with the package's `stop_server` (SIGTERM, then
     SIGKILL, to the session)."""
-    from train_dapo_math_async import stop_server
+    from dppo_trl.cli.server import stop_server
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("VLLM_API_KEY", None)

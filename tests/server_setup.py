@@ -1,16 +1,20 @@
-"""The CPU vLLM server as the server-mode tests start it: `python -m dppo_trl.backends.cpu.vllm_server` on the bundled
-tiny model, with an API key and `--max-logprobs 8`, in its own session (the module server of
-tests/system/test_vllm_server.py, the server tests/system/test_faults.py kills)."""
+"""The CPU vLLM server as the server-mode tests start it: `python -m dppo_trl.backends.cpu.vllm_server`, by default on
+the bundled tiny model with an API key and `--max-logprobs 8`, in its own session (the module server of
+tests/system/test_vllm_server.py, the server tests/system/test_faults.py kills, and the agent server of
+tests/system/test_agents_server.py)."""
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import requests
 from conftest import get_free_port
+
+from dppo_trl.cli.server import stop_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = os.path.join(ROOT, "examples", "tiny_math_model")
@@ -23,21 +27,6 @@ def subprocess_env(**extra) -> dict:
     # The repository (this checkout's library) and tests/ (`trainer_setup`, which the training script imports).
     paths = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop the server and the engine processes it spawned (they share its session)."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
 
 
 class Server:
@@ -56,19 +45,20 @@ class Server:
         return response.json()
 
 
-def start_server(log_path: str) -> Server:
+def start_server(
+    log_path: str, model: str = TINY_MODEL, max_logprobs: int = SERVER_MAX_LOGPROBS, api_key: str | None = API_KEY
+) -> Server:
+    """Start the server (`api_key=None`: one that asks for no key, as TRL's rollout worker and agents send none)."""
     port = get_free_port()
-    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", TINY_MODEL, "--port", str(port)]
-    command += ["--max-logprobs", str(SERVER_MAX_LOGPROBS), "--max-model-len", "256"]
+    command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", model, "--port", str(port)]
+    command += ["--max-logprobs", str(max_logprobs), "--max-model-len", "256"]
+    env = subprocess_env(**({} if api_key is None else {"VLLM_API_KEY": api_key}))
+    if api_key is None:
+        env.pop("VLLM_API_KEY", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            command,
-            env=subprocess_env(VLLM_API_KEY=API_KEY),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=ROOT,
-        )
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )  # fmt: skip
     return Server(port, proc, log_path)
 
 
@@ -88,3 +78,23 @@ def wait_healthy(server: Server) -> bool:
         if time.monotonic() > deadline:
             pytest.fail(f"vLLM server not healthy after {SERVER_START_TIMEOUT} s:\n{server.log_tail()}")
         time.sleep(2)
+
+
+@contextlib.contextmanager
+def running_server(log_dir: str, **start_kwargs) -> Iterator[Server]:
+    """A healthy server (`start_server`'s arguments), stopped on the way out. The port is checked free, but another
+    process on a shared machine can take it before vLLM binds: up to three attempts then."""
+    for attempt in range(3):
+        server = start_server(os.path.join(log_dir, f"server{attempt}.log"), **start_kwargs)
+        try:
+            if wait_healthy(server):
+                break
+        except BaseException:
+            stop_server(server.proc)
+            raise
+    else:
+        pytest.fail("vLLM server could not bind a free port in 3 attempts")
+    try:
+        yield server
+    finally:
+        stop_server(server.proc)

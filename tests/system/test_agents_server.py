@@ -10,16 +10,11 @@ Tool-result tokens carry no list and are out of the loss mask.
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-import requests
 import torch
-from conftest import get_free_port
 from datasets import Dataset
+from server_setup import running_server
 from trainer_setup import logged, record_first_generation
 from transformers import AutoTokenizer
 
@@ -33,7 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 AGENT = os.path.join(ROOT, "examples", "tiny_agent_model")
 K = 4
 ATOL = 2e-3  # vLLM CPU kernels vs the trainer's fp32 forward, same weights
-START_TIMEOUT = 900  # seconds; ~1 min alone, several on a loaded shared machine
 
 
 class CalculatorEnv:
@@ -64,50 +58,11 @@ class CalculatorEnv:
         return a * b
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-
-
 @pytest.fixture(scope="module")
 def server_port(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("agent_server") / "server.log"
-    for _ in range(3):  # a checked-free port can still be taken before vLLM binds it on a shared machine
-        port = get_free_port()
-        command = [sys.executable, "-m", "dppo_trl.backends.cpu.vllm_server", "--model", AGENT, "--port", str(port)]
-        command += ["--max-logprobs", str(K), "--max-model-len", "256"]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        deadline = time.monotonic() + START_TIMEOUT
-        healthy = False
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                healthy = requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except requests.RequestException:
-                pass
-            if healthy:
-                break
-            time.sleep(2)
-        if healthy:
-            break
-        _stop(proc)
-        if "Address already in use" not in log_path.read_text(errors="replace"):
-            pytest.fail(f"vLLM server did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-    else:
-        pytest.fail("vLLM server could not bind a free port in 3 attempts")
-    try:
-        yield port
-    finally:
-        _stop(proc)
+    # No API key: the trainer's client sends none here.
+    with running_server(str(tmp_path_factory.mktemp("agent_server")), model=AGENT, max_logprobs=K, api_key=None) as s:
+        yield s.port
 
 
 def _dataset() -> Dataset:

@@ -23,10 +23,8 @@ from server_setup import (
     SERVER_MAX_LOGPROBS,
     TINY_MODEL,
     Server,
-    start_server,
-    stop_server,
+    running_server,
     subprocess_env,
-    wait_healthy,
 )
 from trainer_setup import (
     byte_mean_reward,
@@ -46,22 +44,8 @@ FRESH_MISMATCH = 1e-4  # |π − μ| right after a sync, fp32 on both sides
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
-    log_dir = tmp_path_factory.mktemp("vllm_server")
-    # The port is checked free, but another process on a shared machine can take it before vLLM binds: retry then.
-    for attempt in range(3):
-        server = start_server(str(log_dir / f"server{attempt}.log"))
-        try:
-            if wait_healthy(server):
-                break
-        except BaseException:
-            stop_server(server.proc)
-            raise
-    else:
-        pytest.fail("vLLM server could not bind a free port in 3 attempts")
-    try:
+    with running_server(str(tmp_path_factory.mktemp("vllm_server"))) as server:
         yield server
-    finally:
-        stop_server(server.proc)
 
 
 @pytest.fixture
